@@ -1,0 +1,1 @@
+"""autopar: compiler-style auto-parallelization for PyTorch."""

@@ -1,0 +1,126 @@
+"""The sharding vocabulary: layouts of torch's own placements, costs, and strategies.
+
+A *layout* is one placement per mesh axis (torch's ``Shard(dim)``, ``Replicate()``,
+``Partial(op)``), so plans stay interoperable with DTensor, FSDP2 and DCP. A *strategy* is,
+for one graph node, the layout each tensor input must have, the layout of each output,
+and the cost of running the node that way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from .mesh import MeshSpec
+
+__all__ = ["Layout", "Cost", "Strategy", "placement_str", "Placement", "Shard", "Replicate", "Partial"]
+
+
+def placement_str(p: Placement) -> str:
+    """``S(0)``, ``R``, ``P`` (sum) or ``P(avg)``."""
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    if isinstance(p, Replicate):
+        return "R"
+    return str(p)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One placement per mesh axis, outermost axis first. ``str`` is e.g. ``S(0)R``."""
+
+    placements: tuple[Placement, ...]
+
+    @classmethod
+    def replicated(cls, ndim: int) -> "Layout":
+        return cls(tuple(Replicate() for _ in range(ndim)))
+
+    def shard_counts(self, mesh: MeshSpec, tensor_ndim: int) -> tuple[int, ...]:
+        """How many pieces each tensor dim is cut into on ``mesh``."""
+        counts = [1] * tensor_ndim
+        for p, size in zip(self.placements, mesh.sizes):
+            if isinstance(p, Shard):
+                counts[p.dim % tensor_ndim] *= size
+        return tuple(counts)
+
+    def local_shape(self, mesh: MeshSpec, shape: Sequence[int]) -> tuple[int, ...]:
+        """The per-device shape of a tensor of ``shape`` in this layout (dims divide evenly)."""
+        counts = self.shard_counts(mesh, len(shape))
+        return tuple(s // c for s, c in zip(shape, counts))
+
+    def divides(self, mesh: MeshSpec, shape: Sequence[int]) -> bool:
+        """True when every sharded dim splits evenly across the axes that shard it."""
+        if not shape:
+            return not any(isinstance(p, Shard) for p in self.placements)
+        counts = self.shard_counts(mesh, len(shape))
+        return all(s % c == 0 for s, c in zip(shape, counts))
+
+    def local_fraction(self, mesh: MeshSpec) -> float:
+        """The fraction of the full tensor each device holds (Partial holds a full-size piece)."""
+        return 1.0 / math.prod(s for p, s in zip(self.placements, mesh.sizes) if isinstance(p, Shard))
+
+    @property
+    def is_replicated(self) -> bool:
+        return all(isinstance(p, Replicate) for p in self.placements)
+
+    @property
+    def has_partial(self) -> bool:
+        return any(isinstance(p, Partial) for p in self.placements)
+
+    def __str__(self) -> str:
+        return "".join(placement_str(p) for p in self.placements)
+
+    def __repr__(self) -> str:
+        return f"Layout({', '.join(repr(p) for p in self.placements)})"
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Cost of one strategy on one device. Filled by the cost model; zero until priced."""
+
+    fwd_compute_s: float = 0.0
+    bwd_compute_s: float = 0.0
+    comm_s: float = 0.0
+    memory_bytes: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_compute_s + self.bwd_compute_s + self.comm_s
+
+    def __str__(self) -> str:
+        return (
+            f"fwd {self.fwd_compute_s * 1e3:.3g} ms, bwd {self.bwd_compute_s * 1e3:.3g} ms, "
+            f"comm {self.comm_s * 1e3:.3g} ms, mem {self.memory_bytes / 2**20:.3g} MiB"
+        )
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How one node runs: a layout per tensor input (in argument order), one per output.
+
+    ``inputs`` lines up with the node's tensor arguments as ``passes.rules.tensor_args``
+    lists them (positional then keyword, nested lists flattened, repeats kept).
+    """
+
+    inputs: tuple[Layout, ...]
+    outputs: tuple[Layout, ...]
+    cost: Cost = field(default_factory=Cost, compare=False)
+
+    @property
+    def output(self) -> Layout:
+        """The layout of the single output (most ops have exactly one)."""
+        return self.outputs[0]
+
+    def with_cost(self, cost: Cost) -> "Strategy":
+        return Strategy(self.inputs, self.outputs, cost)
+
+    def __str__(self) -> str:
+        ins = ", ".join(str(l) for l in self.inputs)
+        outs = ", ".join(str(l) for l in self.outputs)
+        return f"{ins} -> {outs}" if ins else f"-> {outs}"

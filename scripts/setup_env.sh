@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create (or reuse) the local virtual environment .venv and install autopar into it,
+# with torch pinned by constraints-cpu.txt. Sourced by scripts/main.sh and scripts/test.sh.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+STAMP="$VENV/.autopar-installed"
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/constraints-cpu.txt" -nt "$STAMP" ]; then
+  python -m pip install -q --upgrade pip
+  # torch first, from the pin, so no other requirement can pull a CUDA build.
+  python -m pip install -q -c "$ROOT/constraints-cpu.txt" torch
+  python -m pip install -q -c "$ROOT/constraints-cpu.txt" -e "$ROOT[test]"
+  touch "$STAMP"
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
