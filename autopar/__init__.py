@@ -1,1 +1,20 @@
-"""autopar: compiler-style auto-parallelization for PyTorch."""
+"""autopar: compiler-style auto-parallelization for PyTorch.
+
+    gm = autopar.trace(model, example_inputs)          # torch.fx graph, shapes on every node
+    autopar.annotate(gm, autopar.MeshSpec.parse("dp=2,tp=4"))   # candidate strategies per node
+"""
+
+from __future__ import annotations
+
+from .errors import AutoparError, TraceError
+from .mesh import Link, MeshError, MeshSpec
+from .strategy import Cost, Layout, Strategy
+from .trace import trace
+from .passes import FALLBACK_KEY, STRATEGIES_KEY, UnknownOpWarning, annotate
+from .passes.rules import register_rule, temporary_rule
+
+__all__ = [
+    "trace", "annotate", "MeshSpec", "Link", "Layout", "Strategy", "Cost", "register_rule", "temporary_rule",
+    "AutoparError", "TraceError", "MeshError", "UnknownOpWarning", "STRATEGIES_KEY", "FALLBACK_KEY",
+]
+__version__ = "0.1.0"

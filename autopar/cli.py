@@ -1,0 +1,145 @@
+"""The ``autopar`` command line.
+
+    autopar zoo                                   list the model zoo
+    autopar trace MODEL [--mesh dp=2,tp=4]        trace a model and print its annotated graph
+    autopar validate                              check every sharding rule against the unsharded op
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from typing import Sequence
+
+__all__ = ["main"]
+
+
+def _load_model(spec: str, batch_size: int | None, seq_len: int | None, device: str):
+    """A zoo name, or ``package.module:factory`` returning (model, example_inputs)."""
+    if ":" in spec:
+        import importlib
+
+        module_name, _, attr = spec.partition(":")
+        factory = getattr(importlib.import_module(module_name), attr)
+        kwargs = {k: v for k, v in (("batch_size", batch_size), ("seq_len", seq_len)) if v is not None}
+        return factory(**kwargs)
+    from .models import get_model
+
+    return get_model(spec, batch_size=batch_size, seq_len=seq_len, device=device)
+
+
+def _cmd_zoo(args: argparse.Namespace) -> int:
+    from .models import list_models
+
+    print(f"{'name':16s} {'batch':>5s} {'seq':>5s}  description")
+    for entry in list_models():
+        seq = "-" if entry.seq_len is None else str(entry.seq_len)
+        print(f"{entry.name:16s} {entry.batch_size:5d} {seq:>5s}  {entry.description}")
+    return 0
+
+
+def _fmt_shape(val) -> str:
+    import torch
+
+    if isinstance(val, torch.Tensor):
+        dtype = str(val.dtype).replace("torch.", "")
+        return f"{dtype}[{','.join(str(s) for s in val.shape)}]"
+    if isinstance(val, (list, tuple)):
+        return "(" + ", ".join(_fmt_shape(v) for v in val) + ")"
+    return type(val).__name__
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from . import FALLBACK_KEY, STRATEGIES_KEY, MeshSpec, annotate, trace
+    from .passes.rules import op_name
+
+    t0 = time.perf_counter()
+    model, example_inputs = _load_model(args.model, args.batch, args.seq, args.device)
+    gm = trace(model, example_inputs)
+    t1 = time.perf_counter()
+    mesh = MeshSpec.parse(args.mesh)
+    annotate(gm, mesh)
+    t2 = time.perf_counter()
+    nodes = list(gm.graph.nodes)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{args.model}: {n_params / 1e6:,.1f}M parameters, {len(nodes)} graph nodes; "
+          f"traced in {t1 - t0:.1f} s, annotated for mesh {mesh} in {t2 - t1:.2f} s\n")
+    n_attr = sum(1 for n in nodes if n.op == "get_attr")
+    if not args.params:
+        print(f"({n_attr} parameter/buffer nodes not shown; --params shows them)")
+    print(f"{'node':32s} {'op':36s} {'output':26s} {'#strat':>6s}  examples")
+    shown = 0
+    for node in nodes:
+        strategies = node.meta.get(STRATEGIES_KEY)
+        if strategies is None or (node.op == "get_attr" and not args.params):
+            continue
+        if args.limit and shown >= args.limit:
+            print(f"... more nodes not shown (--limit 0 shows all)")
+            break
+        op = op_name(node.target) if node.op == "call_function" else node.op
+        if node.meta.get(FALLBACK_KEY):
+            op += " (no rule: replicated)"
+        examples = "; ".join(str(s) for s in strategies[: args.examples])
+        print(f"{node.name[:32]:32s} {op[:36]:36s} {_fmt_shape(node.meta.get('val'))[:26]:26s} "
+              f"{len(strategies):6d}  {examples}")
+        shown += 1
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from .passes.validate import validate_rules
+
+    shapes = [tuple(int(s) for s in m.split("x")) for m in args.meshes.split(",")]
+    t0 = time.perf_counter()
+    report = validate_rules(shapes)
+    for failure in report.failures:
+        print("FAIL", failure)
+    print(f"{report.summary()} on meshes {', '.join(args.meshes.split(','))} in {time.perf_counter() - t0:.0f} s")
+    return 1 if report.failures or report.rules_without_samples else 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """The README's main job: trace the default model (gpt2) and print its annotated graph."""
+    ns = argparse.Namespace(model="gpt2", batch=8, seq=1024, device="meta", mesh="dp=2,tp=4", limit=40, examples=3,
+                            params=False)
+    return _cmd_trace(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description="Auto-parallelization for PyTorch models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("zoo", help="list the model zoo").set_defaults(fn=_cmd_zoo)
+    p = sub.add_parser("trace", help="trace a model and print its annotated graph")
+    p.add_argument("model", help="zoo name (see `autopar zoo`) or package.module:factory")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default: the zoo entry's)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the zoo entry's)")
+    p.add_argument("--mesh", default="dp=2,tp=4", help="mesh axes, e.g. dp=2,tp=4 (default)")
+    p.add_argument("--device", default="meta", help="device to build zoo models on (default meta: no memory)")
+    p.add_argument("--limit", type=int, default=60, help="nodes to print (0: all)")
+    p.add_argument("--examples", type=int, default=3, help="strategies to show per node")
+    p.add_argument("--params", action="store_true", help="also list parameter and buffer nodes")
+    p.set_defaults(fn=_cmd_trace)
+    p = sub.add_parser("validate", help="check every sharding rule against the unsharded op")
+    p.add_argument("--meshes", default="2,2x2,2x2x2", help="mesh shapes, e.g. 2,2x2,2x2x2 (default)")
+    p.set_defaults(fn=_cmd_validate)
+    sub.add_parser("demo", help="the README main job").set_defaults(fn=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import AutoparError
+    from .mesh import MeshError
+
+    try:
+        return args.fn(args)
+    except (AutoparError, MeshError, KeyError, ValueError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"autopar: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""trace: an unmodified nn.Module and example inputs -> a torch.fx GraphModule.
+
+Uses ``torch.export.export(..., strict=False)`` (it traces Hugging Face models that
+``torch.fx.symbolic_trace`` cannot) and returns the unlifted module, so parameters and
+buffers are ``get_attr`` nodes named by their module path and the graph is callable with the
+user's own inputs. Every tensor node carries ``node.meta["val"]``, a FakeTensor with shape and
+dtype. Models built on the ``meta`` device trace without allocating memory.
+
+When export fails the error names the source line of the model that failed and the likely
+fix, with export's own message below it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import traceback
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .errors import TraceError
+
+__all__ = ["trace", "TraceError"]
+
+# Nodes export adds to guard the traced assumptions; they compute nothing the plan needs.
+_GUARD_TARGETS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
+                  torch.ops.aten.sym_constrain_range_for_size.default}
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def trace(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[str, Any] | None = None
+          ) -> fx.GraphModule:
+    """Trace ``model(*example_inputs, **example_kwargs)`` into a GraphModule (see module doc)."""
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"autopar.trace expects an nn.Module, got {type(model).__name__}")
+    args = tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,)
+    try:
+        exported = torch.export.export(model, args, dict(example_kwargs or {}), strict=False)
+    except Exception as exc:  # re-raised with the model's failing line and a fix
+        raise TraceError(_explain(exc, model)) from exc
+    gm = exported.module()
+    _drop_guards(gm)
+    return gm
+
+
+def _drop_guards(gm: fx.GraphModule) -> None:
+    graph = gm.graph
+    for node in list(graph.nodes):
+        is_guard_module = node.op == "call_module" and node.target == "_guards_fn"
+        if (is_guard_module or (node.op == "call_function" and node.target in _GUARD_TARGETS)) and not node.users:
+            graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    graph.lint()
+    gm.recompile()
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the failing call that is outside torch: the model's own line."""
+    frames = []
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        frames.extend(traceback.extract_tb(e.__traceback__))
+        e = e.__cause__ or e.__context__
+    user = [f for f in frames if not f.filename.startswith(_TORCH_DIR) and "/autopar/" not in f.filename
+            and "site-packages/torch" not in f.filename]
+    return user[-1] if user else None
+
+
+def _frame_from_message(message: str) -> str | None:
+    """export often prints the user's stack in its message; take its last model line."""
+    lines = re.findall(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.+)', message)
+    lines = [l for l in lines if not l[0].startswith(_TORCH_DIR) and "site-packages/torch" not in l[0]]
+    if not lines:
+        return None
+    path, line, fn, src = lines[-1]
+    return f"{path}:{line} in {fn}: {src.strip()}"
+
+
+def _is_missing_fake(exc: BaseException) -> bool:
+    """A custom op without a fake (meta) kernel: export cannot know its output's shape."""
+    e: BaseException | None = exc
+    while e is not None:
+        message = str(e).lower()
+        if type(e).__name__ in ("UnsupportedOperatorException", "DynamicOutputShapeException") or (
+                "fake" in message and ("impl" in message or "kernel" in message)):
+            return True
+        e = e.__cause__
+    return False
+
+
+def _explain(exc: Exception, model: nn.Module) -> str:
+    message = str(exc)
+    where = _frame_from_message(message)
+    if where is None:
+        frame = _user_frame(exc)
+        if frame is not None:
+            where = f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    name = type(model).__name__
+    lowered = message.lower()
+    if "data-dependent" in lowered or "guardondatadependent" in type(exc).__name__.lower() or "could not guard" in lowered:
+        problem = "Python control flow depends on tensor values (e.g. `if x.sum() > 0:`)"
+        fix = ("make the branch static, or express it with tensor ops: torch.where(cond, a, b) "
+               "for values, torch.cond for branches")
+    elif _is_missing_fake(exc):
+        op = re.search(r"(\w+(?:::|\.)\w+)", message)
+        opname = op.group(1).replace(".", "::", 1) if op else "a custom op"
+        problem = f"{opname} has no fake (meta) implementation, so its output shape is unknown"
+        fix = (f"register one with @torch.library.register_fake(\"{opname}\") returning an empty tensor of "
+               "the output's shape and dtype")
+    elif "unsupported" in lowered or "not supported" in lowered:
+        problem = "the model uses a construct torch.export does not support"
+        fix = "rewrite that line with plain tensor ops, or move it out of forward()"
+    else:
+        problem = f"torch.export failed ({type(exc).__name__})"
+        fix = "check that forward() runs on the example inputs and uses only tensor operations"
+    first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
+    at = f"\n  at {where}" if where else ""
+    return (f"cannot trace {name}: {problem}.{at}\n  fix: {fix}.\n"
+            f"  torch.export said: {first[:500]}")
