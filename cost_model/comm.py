@@ -1,0 +1,153 @@
+"""Alpha-beta times of ring collectives over one :class:`~autopar.mesh.Link`.
+
+On ``n`` ranks with link bandwidth ``B`` (the per-device *bus* bandwidth, as nccl-tests
+reports it) and per-hop latency ``a``, a ring algorithm moves the data in ``n - 1`` (or
+``2(n - 1)``) steps. Formulas: NVIDIA nccl-tests doc/PERFORMANCE.md (bus bandwidth factors)
+and NCCL src/graph/tuning.cc (latency per step), summarised in FACTS.md:
+
+    all-reduce                              2(n-1)/n * S/B + 2(n-1) a
+    all-gather, reduce-scatter, all-to-all   (n-1)/n * S/B +  (n-1) a
+    broadcast (pipelined ring)                        S/B +  (n-1) a
+    point-to-point                                    S/B +        a
+
+Sizes are bytes per rank; which size ``S`` is (input or output) is spelled out in each
+function. Every function returns 0.0 when ``n == 1`` or no bytes move.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from ..mesh import Link
+
+__all__ = [
+    "Collective",
+    "COLLECTIVES",
+    "all_reduce_s",
+    "all_gather_s",
+    "reduce_scatter_s",
+    "all_to_all_s",
+    "broadcast_s",
+    "p2p_s",
+    "collective_s",
+    "bytes_sent_per_rank",
+]
+
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p"]
+COLLECTIVES: tuple[str, ...] = get_args(Collective)
+
+
+def _check(nbytes: float, n: int) -> None:
+    if n < 1 or int(n) != n:
+        raise ValueError(f"a collective needs a positive whole number of ranks, got n={n!r}")
+    if nbytes < 0:
+        raise ValueError(f"a collective cannot move a negative number of bytes ({nbytes!r})")
+
+
+def all_reduce_s(bytes_per_rank: float, n: int, link: Link) -> float:
+    """Ring all-reduce of ``bytes_per_rank`` (the full tensor each rank holds, in and out).
+
+    ``2(n-1)/n * S/B + 2(n-1) a``: a reduce-scatter then an all-gather, each ``n - 1`` steps
+    of ``S/n`` bytes (nccl-tests PERFORMANCE.md, busBW = algBW * 2(n-1)/n; FACTS.md).
+    """
+    _check(bytes_per_rank, n)
+    if n == 1 or bytes_per_rank == 0:
+        return 0.0
+    steps = 2 * (n - 1)
+    return steps / n * bytes_per_rank / link.bandwidth_bytes_per_s + steps * link.latency_s
+
+
+def all_gather_s(bytes_out_per_rank: float, n: int, link: Link) -> float:
+    """Ring all-gather whose result is ``bytes_out_per_rank`` on every rank (input is ``S/n``).
+
+    ``(n-1)/n * S/B + (n-1) a`` (nccl-tests PERFORMANCE.md, busBW = algBW * (n-1)/n with
+    algBW over the output size; FACTS.md).
+    """
+    _check(bytes_out_per_rank, n)
+    if n == 1 or bytes_out_per_rank == 0:
+        return 0.0
+    return (n - 1) / n * bytes_out_per_rank / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+
+
+def reduce_scatter_s(bytes_in_per_rank: float, n: int, link: Link) -> float:
+    """Ring reduce-scatter of a full ``bytes_in_per_rank`` input per rank (output is ``S/n``).
+
+    ``(n-1)/n * S/B + (n-1) a`` (nccl-tests PERFORMANCE.md, busBW = algBW * (n-1)/n with
+    algBW over the input size; FACTS.md).
+    """
+    _check(bytes_in_per_rank, n)
+    if n == 1 or bytes_in_per_rank == 0:
+        return 0.0
+    return (n - 1) / n * bytes_in_per_rank / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+
+
+def all_to_all_s(bytes_per_rank: float, n: int, link: Link) -> float:
+    """All-to-all where each rank holds ``bytes_per_rank`` and keeps ``1/n`` of it.
+
+    ``(n-1)/n * S/B + (n-1) a``: each rank sends ``S/n`` to each of ``n - 1`` peers
+    (nccl-tests PERFORMANCE.md, alltoall busBW = algBW * (n-1)/n; FACTS.md).
+    """
+    _check(bytes_per_rank, n)
+    if n == 1 or bytes_per_rank == 0:
+        return 0.0
+    return (n - 1) / n * bytes_per_rank / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+
+
+def broadcast_s(nbytes: float, n: int, link: Link) -> float:
+    """Pipelined ring broadcast of ``nbytes`` from one rank to all.
+
+    ``S/B + (n-1) a``: the data streams through the ring in chunks, so bandwidth costs
+    ``S/B`` (nccl-tests PERFORMANCE.md, broadcast busBW = algBW; FACTS.md) and the first
+    chunk takes ``n - 1`` hops to reach the last rank.
+    """
+    _check(nbytes, n)
+    if n == 1 or nbytes == 0:
+        return 0.0
+    return nbytes / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+
+
+def p2p_s(nbytes: float, link: Link) -> float:
+    """One send/recv of ``nbytes`` over ``link``: ``S/B + a`` (one hop)."""
+    _check(nbytes, 2)
+    if nbytes == 0:
+        return 0.0
+    return nbytes / link.bandwidth_bytes_per_s + link.latency_s
+
+
+def collective_s(collective: Collective, nbytes: float, n: int, link: Link) -> float:
+    """Dispatch by name; ``nbytes`` means what the named function's first argument means."""
+    if collective == "all_reduce":
+        return all_reduce_s(nbytes, n, link)
+    if collective == "all_gather":
+        return all_gather_s(nbytes, n, link)
+    if collective == "reduce_scatter":
+        return reduce_scatter_s(nbytes, n, link)
+    if collective == "all_to_all":
+        return all_to_all_s(nbytes, n, link)
+    if collective == "broadcast":
+        return broadcast_s(nbytes, n, link)
+    if collective == "p2p":
+        _check(nbytes, n)
+        return 0.0 if n == 1 else p2p_s(nbytes, link)
+    raise ValueError(f"unknown collective {collective!r}; pick one of {', '.join(COLLECTIVES)}")
+
+
+def bytes_sent_per_rank(collective: Collective, nbytes: float, n: int) -> float:
+    """Bytes one rank sends in the ring algorithm, to compare with measured traffic.
+
+    ``nbytes`` means what it means for the matching ``*_s`` function: all_reduce
+    ``2(n-1)/n S``; all_gather ``(n-1)/n S_out``; reduce_scatter ``(n-1)/n S_in``;
+    all_to_all ``(n-1)/n S``; broadcast ``S`` (each rank but the last forwards the whole
+    payload in a pipelined ring); p2p ``S`` (the sender). Zero when ``n == 1``.
+    Source: nccl-tests PERFORMANCE.md bus-bandwidth factors (FACTS.md).
+    """
+    _check(nbytes, n)
+    if n == 1 or nbytes == 0:
+        return 0.0
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n * nbytes
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * nbytes
+    if collective in ("broadcast", "p2p"):
+        return float(nbytes)
+    raise ValueError(f"unknown collective {collective!r}; pick one of {', '.join(COLLECTIVES)}")
