@@ -3,6 +3,7 @@
     autopar zoo                                   list the model zoo
     autopar trace MODEL [--mesh dp=2,tp=4]        trace a model and print its annotated graph
     autopar validate                              check every sharding rule against the unsharded op
+    autopar plan MODEL --gpus N [...]             choose a training plan and print the report
 """
 
 from __future__ import annotations
@@ -100,11 +101,38 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 1 if report.failures or report.rules_without_samples else 0
 
 
+def _parse_bytes(text: str) -> float:
+    import re
+
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot read memory size {text!r}; write e.g. 40GB or 512MiB")
+    unit = m.group(2).upper().rstrip("B").rstrip("I")
+    return float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit]
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .planner import plan
+    from .report import format_report
+
+    model, example_inputs = _load_model(args.model, args.batch, args.seq, "meta")
+    budget = _parse_bytes(args.memory_budget) if args.memory_budget else None
+    result = plan(model, args.gpus, example_inputs, hardware=args.hardware, mesh=args.mesh,
+                  strategy=args.strategy, memory_budget_bytes=budget, optimizer=args.optimizer,
+                  model_name=args.model, progress=not args.quiet, baselines=not args.no_baselines)
+    print(format_report(result))
+    if args.json:
+        result.to_json(args.json)
+        print(f"\nplan written to {args.json}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
-    """The README's main job: trace the default model (gpt2) and print its annotated graph."""
-    ns = argparse.Namespace(model="gpt2", batch=8, seq=1024, device="meta", mesh="dp=2,tp=4", limit=40, examples=3,
-                            params=False)
-    return _cmd_trace(ns)
+    """The README's main job: plan the default model (gpt2 on 8 A100-80GB) and print the report."""
+    ns = argparse.Namespace(model="gpt2", gpus=8, batch=None, seq=None, hardware="a100-80gb", mesh=None,
+                            strategy="auto", memory_budget=None, optimizer="adamw", json=None, quiet=False,
+                            no_baselines=False)
+    return _cmd_plan(ns)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +152,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check every sharding rule against the unsharded op")
     p.add_argument("--meshes", default="2,2x2,2x2x2", help="mesh shapes, e.g. 2,2x2,2x2x2 (default)")
     p.set_defaults(fn=_cmd_validate)
+    p = sub.add_parser("plan", help="choose a parallel training plan and print the report")
+    p.add_argument("model", help="zoo name (see `autopar zoo`) or package.module:factory")
+    p.add_argument("--gpus", type=int, required=True, help="number of devices")
+    p.add_argument("--batch", type=int, default=None, help="global batch size (default: the zoo entry's)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the zoo entry's)")
+    p.add_argument("--hardware", default="a100-80gb", help="profile name or JSON path (default a100-80gb)")
+    p.add_argument("--mesh", default=None, help="pin the mesh, e.g. dp=2,tp=4")
+    p.add_argument("--strategy", default="auto", help="auto (default), dp, zero3, megatron, megatron-sp, megatron-dp")
+    p.add_argument("--memory-budget", default=None, help="per-device budget, e.g. 40GB (default: device memory)")
+    p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
+    p.add_argument("--json", default=None, help="write the plan as JSON to this path")
+    p.add_argument("--no-baselines", action="store_true", help="skip pricing the baselines")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(fn=_cmd_plan)
     sub.add_parser("demo", help="the README main job").set_defaults(fn=_cmd_demo)
     return parser
 

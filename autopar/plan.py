@@ -1,0 +1,256 @@
+"""Plan: the chosen mesh, a strategy per node, predicted time / memory / traffic, the solver's
+statistics and the baselines, with JSON round trip, ``explain`` and ``diff``."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import AutoparError
+from .mesh import Link, MeshSpec
+
+__all__ = ["Plan", "NodePlan", "SolverStats", "BaselineResult", "PlanFormatError", "PLAN_FORMAT_VERSION"]
+
+PLAN_FORMAT_VERSION = 1
+
+
+class PlanFormatError(AutoparError):
+    """A plan file that is not valid JSON or misses required fields."""
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    name: str
+    op: str
+    strategy: str
+    output_layout: str
+    input_layouts: tuple[str, ...] = ()
+    zero_axes: tuple[int, ...] = ()  # parameters: gradients and optimizer state split over these axes
+    shares_with: str = ""  # the node of the first repeated block whose decision this node shares
+
+
+@dataclass(frozen=True)
+class SolverStats:
+    name: str
+    status: str
+    seconds: float
+    objective: float
+    lower_bound: float
+    n_variables: int
+    n_constraints: int
+    ilps_solved: int = 1
+    plan_seconds: float = 0.0
+    mesh_search: str = ""
+
+    @property
+    def gap(self) -> float:
+        if self.objective <= 0:
+            return 0.0
+        if self.lower_bound != self.lower_bound:
+            return float("nan")
+        return max(0.0, (self.objective - self.lower_bound) / self.objective)
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    name: str
+    mesh: str
+    step_seconds: float
+    peak_memory_bytes_per_device: float
+    feasible: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    n_devices: int
+    mesh: MeshSpec
+    hardware: str
+    strategy: str
+    optimizer: str
+    mixed_precision: bool
+    memory_budget_bytes: float
+    step_seconds: float
+    compute_seconds: float
+    comm_seconds: float
+    param_state_bytes: float
+    activation_bytes: float
+    comm_bytes: dict[str, float]
+    solver: SolverStats
+    baselines: tuple[BaselineResult, ...]
+    nodes: tuple[NodePlan, ...]
+    # The priced problem and the choice, kept in memory for explain(); not serialized.
+    _problem: Any = field(default=None, repr=False, compare=False)
+    _choice: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def peak_memory_bytes_per_device(self) -> float:
+        return self.param_state_bytes + self.activation_bytes
+
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"plan has no node {name!r}; node names are those of autopar.trace's graph")
+
+    # --- JSON ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": PLAN_FORMAT_VERSION,
+            "model": self.model,
+            "n_devices": self.n_devices,
+            "mesh": {"axes": dict(zip(self.mesh.axes, self.mesh.sizes)),
+                     "links": [{"name": l.name, "bandwidth_bytes_per_s": l.bandwidth_bytes_per_s,
+                                "latency_s": l.latency_s} for l in self.mesh.links]},
+            "hardware": self.hardware,
+            "strategy": self.strategy,
+            "optimizer": self.optimizer,
+            "mixed_precision": self.mixed_precision,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "predicted": {
+                "step_seconds": self.step_seconds,
+                "compute_seconds": self.compute_seconds,
+                "comm_seconds": self.comm_seconds,
+                "peak_memory_bytes_per_device": self.peak_memory_bytes_per_device,
+                "param_state_bytes_per_device": self.param_state_bytes,
+                "activation_bytes_per_device": self.activation_bytes,
+                "comm_bytes_per_device": dict(self.comm_bytes),
+            },
+            "solver": {"name": self.solver.name, "status": self.solver.status, "seconds": self.solver.seconds,
+                       "objective": self.solver.objective, "lower_bound": _num(self.solver.lower_bound),
+                       "n_variables": self.solver.n_variables, "n_constraints": self.solver.n_constraints,
+                       "ilps_solved": self.solver.ilps_solved, "plan_seconds": self.solver.plan_seconds,
+                       "mesh_search": self.solver.mesh_search},
+            "baselines": [{"name": b.name, "mesh": b.mesh, "step_seconds": _num(b.step_seconds),
+                           "peak_memory_bytes_per_device": _num(b.peak_memory_bytes_per_device),
+                           "feasible": b.feasible} for b in self.baselines],
+            "nodes": [{"name": n.name, "op": n.op, "strategy": n.strategy, "output_layout": n.output_layout,
+                       "input_layouts": list(n.input_layouts), "zero_axes": list(n.zero_axes),
+                       "shares_with": n.shares_with} for n in self.nodes],
+        }
+
+    def to_json(self, path: str | None = None, indent: int = 1) -> str:
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str) -> "Plan":
+        """Read a plan from a JSON string or a path to a JSON file."""
+        text = text_or_path
+        if not text_or_path.lstrip().startswith("{"):
+            try:
+                with open(text_or_path) as f:
+                    text = f.read()
+            except OSError as exc:
+                raise PlanFormatError(f"cannot read plan file {text_or_path!r}: {exc.strerror}") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFormatError(f"plan is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+        try:
+            return cls._from_dict(d)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanFormatError(f"malformed plan: missing or bad field {exc}; write plans with Plan.to_json") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> "Plan":
+        if d.get("format_version") != PLAN_FORMAT_VERSION:
+            raise ValueError(f"format_version {d.get('format_version')!r} (this autopar reads {PLAN_FORMAT_VERSION})")
+        axes = d["mesh"]["axes"]
+        links = tuple(Link(l["name"], l["bandwidth_bytes_per_s"], l["latency_s"]) for l in d["mesh"].get("links", []))
+        mesh = MeshSpec(tuple(axes), tuple(int(v) for v in axes.values()), links)
+        pred, s = d["predicted"], d["solver"]
+        return cls(
+            model=d["model"], n_devices=int(d["n_devices"]), mesh=mesh, hardware=d["hardware"],
+            strategy=d["strategy"], optimizer=d["optimizer"], mixed_precision=bool(d["mixed_precision"]),
+            memory_budget_bytes=float(d["memory_budget_bytes"]), step_seconds=float(pred["step_seconds"]),
+            compute_seconds=float(pred["compute_seconds"]), comm_seconds=float(pred["comm_seconds"]),
+            param_state_bytes=float(pred["param_state_bytes_per_device"]),
+            activation_bytes=float(pred["activation_bytes_per_device"]),
+            comm_bytes={k: float(v) for k, v in pred["comm_bytes_per_device"].items()},
+            solver=SolverStats(s["name"], s["status"], float(s["seconds"]), float(s["objective"]),
+                               float(s["lower_bound"]) if s["lower_bound"] is not None else float("nan"),
+                               int(s["n_variables"]), int(s["n_constraints"]), int(s.get("ilps_solved", 1)),
+                               float(s.get("plan_seconds", 0.0)), s.get("mesh_search", "")),
+            baselines=tuple(BaselineResult(b["name"], b["mesh"], _inf(b["step_seconds"]),
+                                           _inf(b["peak_memory_bytes_per_device"]), bool(b["feasible"]))
+                            for b in d["baselines"]),
+            nodes=tuple(NodePlan(n["name"], n["op"], n["strategy"], n["output_layout"],
+                                 tuple(n.get("input_layouts", ())), tuple(n.get("zero_axes", ())),
+                                 n.get("shares_with", "")) for n in d["nodes"]),
+        )
+
+    # --- explain and diff ----------------------------------------------------------------
+
+    def explain(self, node_name: str, top: int = 3) -> str:
+        """Why ``node_name`` got its layout: its cost, and the best alternatives' step times."""
+        from .cost_model.evaluate import evaluate
+
+        n = self.node(node_name)
+        lines = [f"{n.name} ({n.op}): {n.strategy}"]
+        if n.zero_axes:
+            lines.append(f"  gradients and optimizer state split over axes "
+                         f"{', '.join(self.mesh.axes[a] for a in n.zero_axes)} (ZeRO-2)")
+        if n.shares_with and n.shares_with != n.name:
+            lines.append(f"  shares its decision with {n.shares_with} (a repeated block)")
+        problem, choice = self._problem, self._choice
+        if problem is None:
+            lines.append("  (alternatives need the in-memory plan from autopar.plan, not a JSON file)")
+            return "\n".join(lines)
+        key = problem.rep_of[node_name]
+        if key in problem.followers:
+            root = problem.followers[key][0]
+            lines.append(f"  follows {root}: it takes its producer's layout (no decision of its own)")
+            key = root
+        d = problem.decisions[key]
+        base = evaluate(problem, choice)
+        alternatives = []
+        for i, (st, zero) in enumerate(d.options):
+            if i == choice[key]:
+                continue
+            alt = evaluate(problem, {**choice, key: i})
+            alternatives.append((alt.step_seconds, alt.peak_memory_bytes, st, zero))
+        alternatives.sort(key=lambda t: t[0])
+        lines.append(f"  chosen: step {base.step_seconds * 1e3:.3f} ms, peak {base.peak_memory_bytes / 2**30:.2f} GiB"
+                     f" ({len(d.options)} options for {key})")
+        for step, mem, st, zero in alternatives[:top]:
+            fits = "" if mem <= self.memory_budget_bytes else ", over budget"
+            z = f" zero on {zero}" if zero else ""
+            lines.append(f"  alternative {st}{z}: step {step * 1e3:.3f} ms "
+                         f"({(step / base.step_seconds - 1) * 100:+.1f}%), peak {mem / 2**30:.2f} GiB{fits}")
+        return "\n".join(lines)
+
+    def diff(self, other: "Plan") -> str:
+        """What differs between two plans: mesh, predictions, and nodes whose strategy changed."""
+        lines = []
+        if str(self.mesh) != str(other.mesh):
+            lines.append(f"mesh: {self.mesh} -> {other.mesh}")
+        for label, a, b, unit in (("step", self.step_seconds, other.step_seconds, 1e3),
+                                  ("peak memory", self.peak_memory_bytes_per_device,
+                                   other.peak_memory_bytes_per_device, 2**-30)):
+            if a != b:
+                u = "ms" if unit == 1e3 else "GiB"
+                lines.append(f"{label}: {a * unit:.3f} -> {b * unit:.3f} {u} ({(b / a - 1) * 100 if a else 0:+.1f}%)")
+        theirs = {n.name: n for n in other.nodes}
+        changed = [(n, theirs[n.name]) for n in self.nodes if n.name in theirs and
+                   (n.strategy, n.zero_axes) != (theirs[n.name].strategy, theirs[n.name].zero_axes)]
+        for a, b in changed:
+            lines.append(f"{a.name}: {a.strategy} -> {b.strategy}")
+        only = sorted(set(theirs) ^ {n.name for n in self.nodes})
+        if only:
+            lines.append(f"{len(only)} nodes in only one plan (different models?)")
+        return "\n".join(lines) if lines else "plans are identical"
+
+
+def _num(x: float) -> float | None:
+    return None if (x != x or math.isinf(x)) else x
+
+
+def _inf(x: Any) -> float:
+    return math.inf if x is None else float(x)

@@ -1,0 +1,288 @@
+"""autopar.plan: choose the fastest training plan that fits in memory, and its baselines.
+
+1. Trace the model once (``autopar.trace``; ``meta`` models cost no memory).
+2. For each candidate mesh (the factorizations of n into 1, 2 or 3 axes, outermost axis
+   across nodes; or the user's pinned mesh): annotate, price (``cost_model.problem``) and
+   solve the LP relaxation, whose objective bounds every plan on that mesh from below.
+3. Solve the ILP on meshes in order of their bound, stopping once the next bound is no better
+   than the best plan found: the mesh search is exact, and usually solves one or two ILPs.
+4. Price the baselines users would pick instead (DDP, FSDP/ZeRO-3, Megatron TP with and without
+   sequence parallelism, Megatron TP x DP) with the same model: each is the same ILP with the
+   family's layouts pinned. The chosen plan is never predicted slower than a feasible baseline:
+   if one were (a solver time limit hit), the baseline's assignment is taken.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from .cost_model.costs import TrainingSpec
+from .cost_model.evaluate import Prediction, evaluate
+from .cost_model.hardware import Hardware, get_hardware
+from .cost_model.ilp import InfeasibleBudgetError, SolveResult, solve
+from .cost_model.problem import Problem, build_problem
+from .errors import AutoparError
+from .mesh import MeshSpec
+from .passes.annotate import annotate
+from .plan import BaselineResult, NodePlan, Plan, SolverStats
+from .trace import trace
+
+__all__ = ["plan", "STRATEGY_FAMILIES", "candidate_meshes"]
+
+aten = torch.ops.aten
+STRATEGY_FAMILIES = ("auto", "dp", "zero3", "megatron", "megatron-sp", "megatron-dp")
+_LAYER_NORMS = {aten.layer_norm.default, aten.rms_norm.default}
+
+
+def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+    if k == 1:
+        return [(n,)] if n > 1 else []
+    out = []
+    for d in range(2, n):
+        if n % d == 0:
+            out.extend((d,) + rest for rest in _factorizations(n // d, k - 1))
+    return out
+
+
+def _outer_data_axis(node: fx.Node, option) -> bool:
+    """On 3-axis meshes the outermost axis is a data axis (batch-sharded activations,
+    parameters replicated or ZeRO-sharded there) and the inner two axes are searched freely:
+    the full 3-axis space is ~10x the variables of a 2-axis one. 2D/2.5D/3D tensor layouts
+    over three axes are a later extension of the search."""
+    strategy, _ = option
+    if node.op == "get_attr":
+        return True
+    if node.op == "placeholder":
+        return not _batch_dim_ok(node) or strategy.output.placements[0] == Shard(0)
+    outs_ok = all(l.placements[0] == Shard(0) or l.has_partial and not isinstance(l.placements[0], Shard)
+                  for l in strategy.outputs)
+    ins_ok = all(isinstance(l.placements[0], (Replicate,)) or l.placements[0] == Shard(0) for l in strategy.inputs)
+    return outs_ok and ins_ok
+
+
+def candidate_meshes(n: int, hw: Hardware, max_axes: int = 3) -> list[MeshSpec]:
+    """Every 1-, 2- and 3-axis factorization of n; the innermost axis is laid out inside a node."""
+    meshes = []
+    for k in range(1, max_axes + 1):
+        for sizes in _factorizations(n, k):
+            axes = tuple(f"m{a}" for a in range(k))
+            meshes.append(hw.mesh_spec(axes, sizes))
+    return meshes or [hw.mesh_spec(("m0",), (1,))]
+
+
+# --- pins: restrictions that turn the ILP into a baseline family -----------------------------
+
+Pin = Callable[[fx.Node, Any], bool]
+
+
+def _batch_dim_ok(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() > 0
+
+
+def _pin(data_axes: Sequence[int], tp_axes: Sequence[int], zero3: bool, sp: bool | None) -> Pin:
+    """Inputs batch-sharded on data axes and whole on tensor axes; parameters replicated on data
+    axes (sharded there for ZeRO-3), free on tensor axes; layer norms see whole (sp=False) or
+    sequence-sharded (sp=True) activations on tensor axes."""
+
+    def pin(node: fx.Node, option) -> bool:
+        strategy, zero_axes = option
+        if node.op == "placeholder" and _batch_dim_ok(node):
+            pl = strategy.output.placements
+            return all(pl[a] == Shard(0) for a in data_axes) and all(isinstance(pl[a], Replicate) for a in tp_axes)
+        if node.op == "get_attr":
+            pl = strategy.output.placements
+            if zero_axes:
+                return False
+            if zero3:
+                return all(isinstance(pl[a], Shard) for a in data_axes) or node.meta["val"].dim() == 0
+            return all(isinstance(pl[a], Replicate) for a in data_axes)
+        if node.op == "call_function" and node.target in _LAYER_NORMS and sp is not None and tp_axes:
+            pl = strategy.inputs[0].placements
+            want = (lambda p: p == Shard(1)) if sp else (lambda p: isinstance(p, Replicate))
+            return all(want(pl[a]) for a in tp_axes)
+        return True
+
+    return pin
+
+
+def _family_meshes(family: str, n: int, hw: Hardware) -> list[tuple[MeshSpec, Pin]]:
+    if family == "dp":
+        return [(hw.mesh_spec(("dp",), (n,)), _pin([0], [], False, None))]
+    if family == "zero3":
+        return [(hw.mesh_spec(("dp",), (n,)), _pin([0], [], True, None))]
+    if family == "megatron":
+        return [(hw.mesh_spec(("tp",), (n,)), _pin([], [0], False, False))]
+    if family == "megatron-sp":
+        return [(hw.mesh_spec(("tp",), (n,)), _pin([], [0], False, True))]
+    if family == "megatron-dp":
+        out = []
+        for tp in (2, 4, 8):
+            if n % tp == 0 and n // tp > 1 and tp <= hw.devices_per_node:
+                out.append((hw.mesh_spec(("dp", "tp"), (n // tp, tp)), _pin([0], [1], False, False)))
+        return out
+    raise AutoparError(f"unknown strategy family {family!r}; pick one of {', '.join(STRATEGY_FAMILIES)}")
+
+
+# --- solving -------------------------------------------------------------------------------
+
+@dataclass
+class _Solved:
+    mesh: MeshSpec
+    problem: Problem
+    result: SolveResult
+    prediction: Prediction
+
+
+def _prepare(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: TrainingSpec, pin: Pin | None) -> Problem:
+    annotate(gm, mesh)
+    return build_problem(gm, mesh, hw, train, pin)
+
+
+def _solve(problem: Problem, budget: float | None, time_limit_s: float) -> _Solved:
+    result = solve(problem, budget, time_limit_s=time_limit_s)
+    return _Solved(problem.mesh, problem, result, evaluate(problem, result.choice))
+
+
+def _progress(enabled: bool, message: str) -> None:
+    if enabled:
+        print(f"  [autopar] {message}", file=sys.stderr, flush=True)
+
+
+def _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_ilps: int = 3
+            ) -> tuple[_Solved | None, int, str]:
+    """Exact search over meshes: LP bounds first, then ILPs in bound order (module doc)."""
+    bounded = []
+    infeasible_need = math.inf
+    for mesh, pin in meshes_and_pins:
+        problem = _prepare(gm, mesh, hw, train, pin)
+        try:
+            lp = solve(problem, budget, time_limit_s=time_limit_s, relax=True)
+        except InfeasibleBudgetError as exc:
+            infeasible_need = min(infeasible_need, exc.need_bytes)
+            continue
+        bounded.append((lp.objective_s, mesh, pin))
+        _progress(progress, f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars)")
+    bounded.sort(key=lambda t: t[0])
+    best: _Solved | None = None
+    solved = 0
+    note = "exact over meshes (every other mesh's LP bound is no better)"
+    for bound, mesh, pin in bounded:
+        if best is not None and bound >= best.prediction.step_seconds * (1 - 1e-9):
+            break  # no plan on this or any later mesh can beat the best one
+        if solved >= max_ilps:
+            note = (f"mesh search stopped after {max_ilps} ILPs; unsolved meshes have lower bounds from "
+                    f"{bound * 1e3:.3f} ms (a bound, not a plan)")
+            break
+        problem = _prepare(gm, mesh, hw, train, pin)
+        try:
+            s = _solve(problem, budget, time_limit_s)
+        except InfeasibleBudgetError:
+            continue
+        solved += 1
+        _progress(progress, f"mesh {mesh}: ILP {s.result.status} {s.prediction.step_seconds * 1e3:.3f} ms "
+                            f"in {s.result.seconds:.1f} s")
+        if best is None or s.prediction.step_seconds < best.prediction.step_seconds:
+            best = s
+    if best is None and math.isfinite(infeasible_need):
+        raise InfeasibleBudgetError(
+            f"no plan fits the memory budget of {budget / 2**30:.2f} GiB per device: the smallest any plan needs "
+            f"is {infeasible_need / 2**30:.2f} GiB; raise --memory-budget to at least that, use more devices, "
+            f"or shrink the batch or sequence", infeasible_need)
+    return best, solved, note
+
+
+def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequence[Any] = (), *,
+         hardware: str | Hardware = "a100-80gb", mesh: str | MeshSpec | None = None, strategy: str = "auto",
+         memory_budget_bytes: float | None = None, optimizer: str = "adamw", mixed_precision: bool | None = None,
+         example_kwargs: dict | None = None, model_name: str | None = None, time_limit_s: float = 60.0,
+         baselines: bool = True, progress: bool = False) -> Plan:
+    """Plan training ``model`` on ``n_gpus`` devices of ``hardware`` (see module doc).
+
+    ``mesh`` pins the mesh (``"dp=2,tp=4"``); ``strategy`` pins a family (one of
+    ``STRATEGY_FAMILIES``); ``memory_budget_bytes`` defaults to the device's capacity.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(n_gpus, int) or n_gpus < 1:
+        raise AutoparError(f"n_gpus must be a positive integer, got {n_gpus!r}")
+    hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
+    if strategy not in STRATEGY_FAMILIES:
+        raise AutoparError(f"unknown strategy {strategy!r}; pick one of {', '.join(STRATEGY_FAMILIES)}")
+    train = TrainingSpec(optimizer, hw.name != "cpu" if mixed_precision is None else mixed_precision)
+    budget = float(memory_budget_bytes) if memory_budget_bytes is not None else float(hw.memory_bytes)
+    gm = model if isinstance(model, fx.GraphModule) else trace(model, example_inputs, example_kwargs)
+    _progress(progress, f"traced {len(gm.graph.nodes)} nodes in {time.perf_counter() - t0:.1f} s")
+
+    if mesh is not None:
+        spec = MeshSpec.parse(mesh, n_gpus) if isinstance(mesh, str) else mesh
+        spec.check_devices(n_gpus)
+        spec = hw.mesh_spec(spec.axes, spec.sizes)
+        candidates = [(spec, None if strategy == "auto" else _family_meshes(strategy, n_gpus, hw)[0][1])]
+    elif strategy == "auto":
+        candidates = [(m, _outer_data_axis if m.ndim == 3 else None) for m in candidate_meshes(n_gpus, hw)]
+    else:
+        candidates = _family_meshes(strategy, n_gpus, hw)
+    best, n_solved, search_note = _search(gm, candidates, hw, train, budget, time_limit_s, progress)
+    if best is None:
+        raise AutoparError(f"no mesh could be planned for {n_gpus} devices")
+
+    baseline_results: list[BaselineResult] = []
+    if baselines and n_gpus > 1:
+        for family in ("dp", "zero3", "megatron", "megatron-sp", "megatron-dp"):
+            fam_best = _search_quiet(gm, _family_meshes(family, n_gpus, hw), hw, train, budget, time_limit_s)
+            if fam_best is None:
+                baseline_results.append(BaselineResult(family, "", math.inf, math.inf, False))
+                continue
+            p = fam_best.prediction
+            baseline_results.append(BaselineResult(family, str(fam_best.mesh), p.step_seconds,
+                                                   p.peak_memory_bytes, p.peak_memory_bytes <= budget))
+            if strategy == "auto" and mesh is None and p.step_seconds < best.prediction.step_seconds:
+                best = fam_best  # a solver limit left the search short of a baseline: never lose to it
+    annotate(gm, best.mesh)  # leave the graph annotated for the chosen mesh
+    return _to_plan(gm, best, hw, train, budget, strategy, baseline_results, n_gpus,
+                    model_name or type(model).__name__, n_solved, time.perf_counter() - t0, search_note)
+
+
+def _search_quiet(gm, meshes_and_pins, hw, train, budget, time_limit_s):
+    try:
+        return _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, False)[0]
+    except InfeasibleBudgetError:
+        return None
+
+
+def _to_plan(gm, best: _Solved, hw, train, budget, strategy, baseline_results, n_gpus, model_name, n_solved,
+             seconds, search_note) -> Plan:
+    problem, choice = best.problem, best.result.choice
+    nodes = []
+    for node in gm.graph.nodes:
+        if node.name not in problem.rep_of:
+            continue
+        st = problem.strategy_of(node.name, choice)
+        key = problem.rep_of[node.name]
+        zero_axes: tuple[int, ...] = ()
+        if key in problem.decisions and problem.decisions[key].is_param:
+            zero_axes = problem.decisions[key].options[choice[key]][1]
+        op = str(node.target) if node.op == "call_function" else node.op
+        nodes.append(NodePlan(node.name, op, str(st), str(st.outputs[0]) if st.outputs else "",
+                              tuple(str(l) for l in st.inputs), zero_axes, key))
+    p = best.prediction
+    r = best.result
+    return Plan(
+        model=model_name, n_devices=n_gpus, mesh=best.mesh, hardware=hw.name, strategy=strategy,
+        optimizer=train.optimizer, mixed_precision=train.mixed_precision, memory_budget_bytes=budget,
+        step_seconds=p.step_seconds, compute_seconds=p.compute_seconds, comm_seconds=p.comm_seconds,
+        param_state_bytes=p.param_state_bytes, activation_bytes=p.activation_bytes, comm_bytes=p.comm_bytes,
+        solver=SolverStats(r.solver, r.status, r.seconds, r.objective_s, r.lower_bound_s, r.n_variables,
+                           r.n_constraints, n_solved, seconds, search_note),
+        baselines=tuple(baseline_results), nodes=tuple(nodes), _problem=problem, _choice=dict(choice),
+    )

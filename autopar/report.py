@@ -1,0 +1,83 @@
+"""The terminal report of a Plan: what a person reads after ``autopar plan``."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import OrderedDict
+
+from .plan import Plan
+
+__all__ = ["format_report"]
+
+
+def _ms(s: float) -> str:
+    return "-" if not math.isfinite(s) else f"{s * 1e3:,.2f} ms"
+
+
+def _gib(b: float) -> str:
+    return "-" if not math.isfinite(b) else f"{b / 2**30:,.2f} GiB"
+
+
+def _block_rows(plan: Plan) -> list[tuple[str, str, str]]:
+    """One row per distinct (block, op) pattern: repeated blocks collapse into their first."""
+    rows: "OrderedDict[tuple[str, str], tuple[str, str, str]]" = OrderedDict()
+    for n in plan.nodes:
+        if n.op in ("placeholder",) or n.op.startswith("aten.") and any(
+                v in n.op for v in ("view", "transpose", "reshape", "permute", "unsqueeze", "expand", "dropout",
+                                    "getitem", "split", "select", "slice", "alias", "to.", "_to_copy")):
+            continue
+        if n.op == "get_attr":
+            label = re.sub(r"_(\d+)_", r".\1.", n.name, count=1)
+            z = f" +ZeRO-2 on {','.join(plan.mesh.axes[a] for a in n.zero_axes)}" if n.zero_axes else ""
+            key = (n.shares_with or n.name, "param")
+            rows.setdefault(key, (label, "param", n.output_layout + z))
+        else:
+            key = (n.shares_with or n.name, n.op)
+            rows.setdefault(key, (n.name, n.op.replace("aten.", "").replace(".default", ""), n.strategy))
+    return list(rows.values())
+
+
+def format_report(plan: Plan, max_rows: int = 40) -> str:
+    mesh = plan.mesh
+    axes = ", ".join(f"{a}={s} over {l.name}" for a, s, l in zip(mesh.axes, mesh.sizes, mesh.links))
+    lines = [
+        f"autopar plan: {plan.model} on {plan.n_devices} x {plan.hardware} "
+        f"({plan.optimizer}, {'bf16 mixed precision' if plan.mixed_precision else 'fp32'}, strategy={plan.strategy})",
+        f"mesh: {axes}",
+        "",
+        f"predicted step time   {_ms(plan.step_seconds)}  (compute {_ms(plan.compute_seconds)}, "
+        f"communication {_ms(plan.comm_seconds)})",
+        f"peak memory / device  {_gib(plan.peak_memory_bytes_per_device)} of {_gib(plan.memory_budget_bytes)} budget"
+        f"  (params+grads+optimizer {_gib(plan.param_state_bytes)}, activations {_gib(plan.activation_bytes)})",
+        "bytes sent / device   " + (", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in sorted(plan.comm_bytes.items()))
+                                  or "none"),
+        "",
+        "layouts (one row per op of each repeated block; placements per mesh axis, in order "
+        f"{','.join(mesh.axes)}):",
+    ]
+    rows = _block_rows(plan)
+    for name, op, strategy in rows[:max_rows]:
+        lines.append(f"  {name[:30]:30s} {op[:28]:28s} {strategy}")
+    if len(rows) > max_rows:
+        lines.append(f"  ... {len(rows) - max_rows} more rows (--json has every node)")
+    s = plan.solver
+    gap = "n/a" if s.gap != s.gap else f"{s.gap * 100:.2f}%"
+    lines += [
+        "",
+        f"solver: {s.name} {s.status} in {s.seconds:.2f} s, {s.n_variables:,} variables, "
+        f"{s.n_constraints:,} constraints; objective {_ms(s.objective)}, lower bound {_ms(s.lower_bound)} "
+        f"(gap {gap}); {s.ilps_solved} ILPs; whole plan {s.plan_seconds:.1f} s",
+        f"        {s.mesh_search}",
+    ]
+    if plan.baselines:
+        lines += ["", f"{'baseline':14s} {'mesh':12s} {'step':>12s} {'peak mem':>12s}  vs plan"]
+        lines.append(f"{'autopar':14s} {str(mesh):12s} {_ms(plan.step_seconds):>12s} "
+                     f"{_gib(plan.peak_memory_bytes_per_device):>12s}  1.00x")
+        for b in plan.baselines:
+            ratio = b.step_seconds / plan.step_seconds if math.isfinite(b.step_seconds) else math.inf
+            fit = "" if b.feasible else "  (does not fit)"
+            lines.append(f"{b.name:14s} {b.mesh:12s} {_ms(b.step_seconds):>12s} "
+                         f"{_gib(b.peak_memory_bytes_per_device):>12s}  {ratio:.2f}x slower{fit}"
+                         if math.isfinite(ratio) else f"{b.name:14s} {'-':12s} {'no plan':>12s}")
+    return "\n".join(lines)

@@ -1,0 +1,171 @@
+"""Compute and memory cost of one node's strategy on one device.
+
+Compute time follows the roofline with a per-kernel floor (the form meta's autoparallel uses):
+``max(flops / (efficiency * peak), bytes / (efficiency * bandwidth)) + kernel_overhead``, on
+the *local* work: a strategy divides the work by the size of every mesh axis on which some
+tensor of the node is sharded (on an axis where everything is replicated or only partial
+values pass through, every device does the whole op). Backward is twice the forward FLOPs
+for contractions (gradients of both operands) and about one forward for the rest.
+
+Memory of a strategy is the activation it keeps for backward (its output, unless the op is a
+view); parameters, gradients and optimizer state are priced on parameter nodes
+(:func:`param_state_bytes`), where ZeRO choices act.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+
+from autopar.mesh import MeshSpec
+from autopar.strategy import Layout, Strategy
+
+from .hardware import Hardware
+
+__all__ = ["TrainingSpec", "node_flops", "compute_seconds", "activation_bytes", "param_state_bytes",
+           "is_view", "OPTIMIZER_STATE_BYTES"]
+
+aten = torch.ops.aten
+
+# Bytes of optimizer state per parameter element (fp32 moments): Adam/AdamW keep two, SGD
+# with momentum one. Mixed precision adds an fp32 master copy (ZeRO paper, arXiv 1910.02054).
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "lamb": 8, "lars": 4}
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """What a training step does to memory and time: optimizer and precision."""
+
+    optimizer: str = "adamw"
+    mixed_precision: bool = True  # bf16 compute/activations/params, fp32 master weights
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(
+                f"unknown optimizer {self.optimizer!r}; pick one of {', '.join(OPTIMIZER_STATE_BYTES)}")
+
+    @property
+    def activation_bytes_per_elem(self) -> int:
+        return 2 if self.mixed_precision else 4
+
+    @property
+    def param_bytes_per_elem(self) -> int:
+        return 2 if self.mixed_precision else 4
+
+    @property
+    def state_bytes_per_elem(self) -> int:
+        """Optimizer state (and the fp32 master copy under mixed precision) per parameter element."""
+        return OPTIMIZER_STATE_BYTES[self.optimizer] + (4 if self.mixed_precision else 0)
+
+
+_VIEWS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
+    aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default,
+    aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int, aten.flatten.using_ints,
+    operator.getitem,
+}
+_CONTRACTIONS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
+                 aten.matmul.default, aten.linear.default, aten.conv2d.default}
+
+
+def is_view(node: fx.Node) -> bool:
+    return node.op != "call_function" or node.target in _VIEWS
+
+
+def _numel(t: Any) -> int:
+    return t.numel() if isinstance(t, torch.Tensor) else 0
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, fx.Node):
+        return _tensors(x.meta.get("val"))
+    return []
+
+
+def node_flops(node: fx.Node) -> float:
+    """Forward FLOPs of the whole (unsharded) op."""
+    if node.op != "call_function" or node.target in _VIEWS:
+        return 0.0
+    out = _tensors(node)
+    out_numel = sum(t.numel() for t in out)
+    ins = [t for a in node.args for t in _tensors(a)]
+    if node.target in _CONTRACTIONS:
+        if node.target == aten.conv2d.default:
+            w = ins[1]  # [out, in / groups, kh, kw]
+            return 2.0 * out_numel * w.shape[1] * w.shape[2] * w.shape[3]
+        a = ins[1] if node.target in (aten.addmm.default, aten.baddbmm.default) else ins[0]
+        return 2.0 * out_numel * a.shape[-1]
+    if node.target == aten.scaled_dot_product_attention.default:
+        q, k = ins[0], ins[1]
+        causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+        flops = 4.0 * q.numel() * k.shape[-2]
+        return flops / 2 if causal else flops
+    return float(out_numel) * 4  # elementwise-ish: a few operations per element
+
+
+def _bytes_moved(node: fx.Node, elem_bytes: int) -> float:
+    ins = [t for a in list(node.args) + list(node.kwargs.values()) for t in _tensors(a)]
+    return float(sum(t.numel() for t in ins) + sum(t.numel() for t in _tensors(node))) * elem_bytes
+
+
+def work_split(strategy: Strategy, mesh: MeshSpec) -> int:
+    """How many ways the node's work is divided: the sizes of the axes where a tensor is sharded."""
+    split = 1
+    for a, size in enumerate(mesh.sizes):
+        if any(isinstance(l.placements[a], Shard) for l in strategy.inputs + strategy.outputs):
+            split *= size
+    return split
+
+
+def compute_seconds(node: fx.Node, strategy: Strategy, mesh: MeshSpec, hw: Hardware, train: TrainingSpec,
+                    needs_grad: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of ``node`` run with ``strategy`` on one device."""
+    if node.op != "call_function" or node.target in _VIEWS:
+        return 0.0, 0.0
+    split = work_split(strategy, mesh)
+    flops = node_flops(node) / split
+    moved = _bytes_moved(node, train.activation_bytes_per_elem) / split
+    peak = hw.peak_flops if train.mixed_precision else hw.peak_flops_fp32
+    fwd = max(flops / (hw.efficiency * peak), moved / (hw.efficiency * hw.memory_bandwidth_bytes_per_s))
+    fwd += hw.kernel_overhead_s
+    if not needs_grad:
+        return fwd, 0.0
+    bwd = 2 * fwd if node.target in _CONTRACTIONS or node.target == aten.scaled_dot_product_attention.default else fwd
+    return fwd, bwd
+
+
+def activation_bytes(node: fx.Node, strategy: Strategy, mesh: MeshSpec, train: TrainingSpec,
+                     needs_grad: bool) -> float:
+    """Bytes this node keeps alive until its backward, on one device."""
+    if not needs_grad or is_view(node):
+        return 0.0
+    outs = _tensors(node)
+    total = 0.0
+    for t, layout in zip(outs, strategy.outputs):
+        elem = train.activation_bytes_per_elem if t.dtype.is_floating_point else t.element_size()
+        total += t.numel() * elem * layout.local_fraction(mesh)
+    return total
+
+
+def param_state_bytes(numel: int, layout: Layout, mesh: MeshSpec, train: TrainingSpec, zero_axes: Sequence[int] = ()
+                      ) -> float:
+    """Bytes one device holds for a parameter stored in ``layout``: weights, gradients and
+    optimizer state; gradients and optimizer state are further split over ``zero_axes``
+    (ZeRO-2 on axes where the parameter is replicated)."""
+    local = numel * layout.local_fraction(mesh)
+    zero_split = math.prod(mesh.sizes[a] for a in zero_axes)
+    weights = local * train.param_bytes_per_elem
+    grads = local * train.param_bytes_per_elem / zero_split
+    state = local * train.state_bytes_per_elem / zero_split
+    return weights + grads + state

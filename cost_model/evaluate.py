@@ -1,0 +1,64 @@
+"""Evaluate a chosen assignment: predicted step time (compute / communication), memory per
+device with its breakdown, and bytes each device sends per collective type.
+
+Used for the chosen plan, for every baseline, and for ``Plan.explain``'s alternatives, so all
+of them are priced by exactly the same model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .comm import bytes_sent_per_rank
+from .problem import Problem
+from .reshard import reshard_steps
+
+__all__ = ["Prediction", "evaluate"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_seconds: float
+    compute_seconds: float
+    comm_seconds: float
+    param_state_bytes: float  # weights + gradients + optimizer state
+    activation_bytes: float
+    comm_bytes: dict[str, float] = field(default_factory=dict)  # collective -> bytes sent per device per step
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return self.param_state_bytes + self.activation_bytes
+
+    @property
+    def comm_bytes_total(self) -> float:
+        return sum(self.comm_bytes.values())
+
+
+def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
+    mesh = problem.mesh
+    node_s = comm_s = 0.0
+    params_b = acts_b = 0.0
+    sent: dict[str, float] = defaultdict(float)
+    for key, d in problem.decisions.items():
+        i = choice[key]
+        node_s += d.seconds[i] - d.comm_seconds[i]
+        comm_s += d.comm_seconds[i]
+        if d.is_param:
+            params_b += d.memory_bytes[i]
+        else:
+            acts_b += d.memory_bytes[i]
+        for step, count in d.comm_steps[i]:
+            sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * count
+    for e in problem.edges:
+        a = e.producer_layouts[choice[e.producer]]
+        b = e.consumer_layouts[choice[e.consumer]]
+        comm_s += e.seconds[(a, b)]
+        fwd, bwd = reshard_steps(a, b, e.total_bytes, mesh, e.needs_grad)
+        for step in fwd + bwd:
+            sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * e.count
+    for g in problem.syncs:
+        if any(choice[k] == i for k, i in g.triggers):
+            comm_s += g.seconds
+            sent["all_reduce"] += bytes_sent_per_rank("all_reduce", g.nbytes, mesh.sizes[g.axis]) * g.count
+    return Prediction(node_s + comm_s, node_s, comm_s, params_b, acts_b, dict(sent))

@@ -1,0 +1,245 @@
+r"""The strategy ILP: one option per decision, minimum step time, under a memory budget.
+
+Variables (see ``cost_model.problem`` for where the numbers come from):
+
+* :math:`x_{d,i} \in \{0,1\}`: decision *d* takes option *i* (a strategy, and for parameters
+  the ZeRO axes);
+* :math:`e_{t,a,b} \in [0,1]`: on edge *t*, the producer's output has layout *a* and the
+  consumer needs layout *b* (continuous; integral once *x* is);
+* :math:`z_{g} \in [0,1]`: gradient all-reduce *g* is paid.
+
+Objective (seconds per step)::
+
+    min  sum_{d,i} T_{d,i} x_{d,i}  +  sum_{t,a,b} R_{t,a,b} e_{t,a,b}  +  sum_g C_g z_g
+
+Constraints, each added by the function named:
+
+* ``one_option``     (:func:`_add_decisions`): sum_i x_{d,i} = 1 for every decision d;
+* ``edge_out``/``edge_in`` (:func:`_add_edges`): sum_b e_{t,a,b} = sum_{i: out(i)=a} x_{u,i} and
+  sum_a e_{t,a,b} = sum_{i: in(i)=b} x_{v,i}: the edge's layout pair agrees with both ends;
+* ``sync``           (:func:`_add_syncs`): z_g >= x_{d,i} for every option that makes the
+  gradient partial;
+* ``memory``         (:func:`_add_memory`): sum_{d,i} M_{d,i} x_{d,i} <= budget bytes.
+
+The model is built once as a sparse matrix (:class:`_Model`) and handed to HiGHS through
+``highspy`` directly; PuLP with CBC is the fallback. (Building the same model through PuLP's
+expression objects took 2 s of the 5 s budget for GPT-2 on 8 devices, so the default path does
+not use them.) Every solve reports its status, seconds, objective and a lower bound (HiGHS's
+MIP dual bound; with CBC the objective of the LP relaxation), so each plan carries its gap.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.errors import AutoparError
+
+from .problem import Problem
+
+__all__ = ["SolveResult", "InfeasibleBudgetError", "solve", "min_memory_bytes"]
+
+
+class InfeasibleBudgetError(AutoparError):
+    """No plan fits the memory budget; ``need_bytes`` is the least memory any plan needs."""
+
+    def __init__(self, message: str, need_bytes: float = float("nan")):
+        super().__init__(message)
+        self.need_bytes = need_bytes
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    choice: dict[str, int]  # decision key -> option index
+    objective_s: float
+    lower_bound_s: float
+    status: str
+    solver: str
+    seconds: float
+    n_variables: int
+    n_constraints: int
+
+    @property
+    def gap(self) -> float:
+        if self.objective_s <= 0 or self.lower_bound_s != self.lower_bound_s:
+            return 0.0 if self.objective_s <= 0 else float("nan")
+        return max(0.0, (self.objective_s - self.lower_bound_s) / self.objective_s)
+
+
+@dataclass
+class _Model:
+    """Columns (cost, bounds, integrality) and rows (bounds, coefficients) of the ILP."""
+
+    cost: list[float] = field(default_factory=list)
+    upper: list[float] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    row_lower: list[float] = field(default_factory=list)
+    row_upper: list[float] = field(default_factory=list)
+    row_names: list[str] = field(default_factory=list)
+    entries: list[tuple[int, int, float]] = field(default_factory=list)  # (row, col, value)
+
+    def col(self, cost: float, integer: bool = False) -> int:
+        self.cost.append(cost)
+        self.upper.append(1.0)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def row(self, name: str, coeffs: list[tuple[int, float]], lower: float, upper: float) -> None:
+        r = len(self.row_lower)
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+        self.row_names.append(name)
+        self.entries.extend((r, c, v) for c, v in coeffs)
+
+
+def _add_decisions(m: _Model, problem: Problem) -> dict[str, list[int]]:
+    x = {}
+    for key, d in problem.decisions.items():
+        x[key] = [m.col(s, integer=True) for s in d.seconds]
+        m.row(f"one_option[{key}]", [(c, 1.0) for c in x[key]], 1.0, 1.0)
+    return x
+
+
+def _add_edges(m: _Model, problem: Problem, x) -> None:
+    for t, edge in enumerate(problem.edges):
+        if not any(edge.seconds.values()):
+            continue  # every pairing is free: no variables needed
+        e = {ab: m.col(c) for ab, c in edge.seconds.items()}
+        for a in dict.fromkeys(edge.producer_layouts):
+            coeffs = [(v, 1.0) for (aa, _), v in e.items() if aa == a]
+            coeffs += [(x[edge.producer][i], -1.0) for i, l in enumerate(edge.producer_layouts) if l == a]
+            m.row(f"edge_out[{edge.producer}->{edge.consumer}:{a}]", coeffs, 0.0, 0.0)
+        for b in dict.fromkeys(edge.consumer_layouts):
+            coeffs = [(v, 1.0) for (_, bb), v in e.items() if bb == b]
+            coeffs += [(x[edge.consumer][j], -1.0) for j, l in enumerate(edge.consumer_layouts) if l == b]
+            m.row(f"edge_in[{edge.producer}->{edge.consumer}:{b}]", coeffs, 0.0, 0.0)
+
+
+def _add_syncs(m: _Model, problem: Problem, x) -> None:
+    for sync in problem.syncs:
+        if sync.seconds <= 0:
+            continue
+        z = m.col(sync.seconds)
+        for key, i in sync.triggers:
+            m.row(f"sync[{sync.tensor}@{sync.axis}]", [(z, 1.0), (x[key][i], -1.0)], 0.0, float("inf"))
+
+
+def _add_memory(m: _Model, problem: Problem, x, budget_bytes: float | None) -> None:
+    if budget_bytes is None:
+        return
+    coeffs = [(x[k][i], mem) for k, d in problem.decisions.items() for i, mem in enumerate(d.memory_bytes) if mem]
+    m.row("memory", coeffs, -float("inf"), budget_bytes)
+
+
+def min_memory_bytes(problem: Problem) -> float:
+    """A lower bound on any plan's memory: the least memory option of every decision."""
+    return sum(min(d.memory_bytes) for d in problem.decisions.values())
+
+
+def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False) -> tuple[str, np.ndarray | None, float, float]:
+    import highspy
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("threads", 1)
+    h.setOptionValue("mip_rel_gap", 1e-4)
+    n = len(m.cost)
+    inf = highspy.kHighsInf
+    h.addCols(n, np.asarray(m.cost), np.zeros(n), np.asarray(m.upper), 0, np.array([], dtype=np.int32),
+              np.array([], dtype=np.int32), np.array([]))
+    ints = np.flatnonzero(np.asarray(m.integer) & (not relax)).astype(np.int32)
+    if len(ints):
+        h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
+    entries = sorted(m.entries)
+    rows = np.fromiter((r for r, _, _ in entries), dtype=np.int64, count=len(entries))
+    starts = np.searchsorted(rows, np.arange(len(m.row_lower))).astype(np.int32)
+    h.addRows(len(m.row_lower), np.clip(np.asarray(m.row_lower), -inf, inf), np.clip(np.asarray(m.row_upper), -inf, inf),
+              len(entries), starts, np.array([c for _, c, _ in entries], dtype=np.int32),
+              np.array([v for _, _, v in entries]))
+    h.run()
+    status = h.modelStatusToString(h.getModelStatus())
+    info = h.getInfo()
+    if status in ("Infeasible", "Primal infeasible or unbounded"):
+        return "Infeasible", None, float("nan"), float("nan")
+    if info.primal_solution_status == 0:  # no feasible point found in time
+        return status, None, float("nan"), float("nan")
+    values = np.asarray(h.getSolution().col_value)
+    objective = float(info.objective_function_value)
+    bound = objective if relax else float(info.mip_dual_bound)
+    if not (bound == bound and abs(bound) < 1e30):
+        bound = objective if status == "Optimal" else float("nan")
+    return ("Optimal" if status == "Optimal" else status), values, objective, min(bound, objective)
+
+
+def _solve_cbc(m: _Model, time_limit_s: float, relax: bool = False) -> tuple[str, np.ndarray | None, float, float]:
+    import pulp
+
+    def build(relax: bool):
+        prob = pulp.LpProblem("autopar_strategy", pulp.LpMinimize)
+        cols = [pulp.LpVariable(f"c{i}", 0, ub, cat="Continuous" if (relax or not integer) else "Integer")
+                for i, (ub, integer) in enumerate(zip(m.upper, m.integer))]
+        prob.setObjective(pulp.LpAffineExpression([(v, c) for v, c in zip(cols, m.cost) if c]))
+        rows: dict[int, list] = {}
+        for r, c, v in m.entries:
+            rows.setdefault(r, []).append((cols[c], v))
+        for r, coeffs in rows.items():
+            expr = pulp.LpAffineExpression(coeffs)
+            lo, up = m.row_lower[r], m.row_upper[r]
+            if lo == up:
+                prob += expr == lo
+            else:
+                if lo > -float("inf"):
+                    prob += expr >= lo
+                if up < float("inf"):
+                    prob += expr <= up
+        return prob, cols
+
+    prob, cols = build(relax=relax)
+    status = pulp.LpStatus[prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=int(max(1, time_limit_s))))]
+    if status == "Infeasible":
+        return "Infeasible", None, float("nan"), float("nan")
+    values = np.array([v.value() or 0.0 for v in cols])
+    objective = float(prob.objective.value() or 0.0)
+    relaxed, _ = build(relax=True)
+    relaxed.solve(pulp.PULP_CBC_CMD(msg=False))
+    return status, values, objective, min(float(relaxed.objective.value() or 0.0), objective)
+
+
+def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: str = "highs",
+          time_limit_s: float = 60.0, relax: bool = False) -> SolveResult:
+    """Choose one option per decision minimizing step time under the budget (module doc).
+    ``relax=True`` solves the LP relaxation only: its objective bounds every plan from below."""
+    t0 = time.perf_counter()
+    m = _Model()
+    x = _add_decisions(m, problem)
+    _add_edges(m, problem, x)
+    _add_syncs(m, problem, x)
+    _add_memory(m, problem, x, memory_budget_bytes)
+    backends = {"highs": _solve_highs, "cbc": _solve_cbc}
+    order = [solver] + [s for s in backends if s != solver]
+    result, used, errors = None, None, []
+    for name in order:
+        try:
+            result = backends[name](m, time_limit_s, relax)
+            used = name
+            break
+        except ImportError as exc:  # highspy missing: CBC takes over
+            errors.append(f"{name}: {exc}")
+    if result is None:
+        raise AutoparError(f"no ILP solver worked ({'; '.join(errors)}); install highspy or PuLP")
+    status, values, objective, bound = result
+    if status == "Infeasible":
+        need = min_memory_bytes(problem)
+        raise InfeasibleBudgetError(
+            f"no plan fits the memory budget of {memory_budget_bytes / 2**30:.2f} GiB per device: the smallest "
+            f"any plan needs is {need / 2**30:.2f} GiB (constraint 'memory' binds); raise the budget to at "
+            f"least that, use more devices, or shrink the batch or sequence", need)
+    if values is None:
+        raise AutoparError(f"the ILP solver stopped with status {status!r} before finding any plan; "
+                           f"raise the time limit")
+    choice = {k: int(np.argmax(values[cols])) for k, cols in x.items()}
+    return SolveResult(choice, objective, bound, status, used, time.perf_counter() - t0,
+                       len(m.cost), len(m.row_lower))

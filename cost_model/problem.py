@@ -1,0 +1,401 @@
+"""From an annotated graph to a priced decision problem the ILP solves.
+
+Decisions. One per node that carries strategies (parameters and inputs included), except that
+nodes of repeated blocks (``blocks.0``, ``blocks.1``, ... with identical ops and shapes) all
+share the decisions of the first block of their run: a 96-layer transformer is priced as one
+layer whose costs count 96 times. Parameter decisions also choose ZeRO: a parameter's storage
+layout (``Shard`` on a data axis is ZeRO-3/FSDP, gathered before use) and whether its gradient
+and optimizer state are split over the axes where it is replicated (ZeRO-2).
+
+Costs (seconds per training step, on one device):
+
+* node terms: forward + backward compute of each strategy (``cost_model.costs``);
+* edge terms: the reshard from the producer's output layout to the layout the consumer's
+  strategy needs, forward and backward (``cost_model.reshard``);
+* gradient-sync terms: a replicated tensor used by work that is sharded on an axis gets a
+  partial gradient on that axis and one all-reduce per tensor and axis, however many consumers
+  (data-parallel weight gradients and Megatron's backward all-reduce are both this).
+
+Memory (bytes on one device): parameter weights, gradients and optimizer state per parameter
+decision, and the activations each strategy keeps for backward.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.mesh import MeshSpec
+from autopar.passes.annotate import STRATEGIES_KEY
+from autopar.passes.rules import tensor_leaves
+from autopar.strategy import Layout, Strategy
+
+from .comm import all_reduce_s
+from .costs import TrainingSpec, activation_bytes, compute_seconds, param_state_bytes, work_split
+from .hardware import Hardware
+from .reshard import CommStep, reshard_steps, steps_seconds
+
+__all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins"]
+
+# Pins restrict decisions (for baselines and user-pinned families): a function from a node to
+# a predicate on its candidate (strategy, zero) options, or None for no restriction.
+Pins = Any
+
+
+@dataclass
+class Decision:
+    """One choice among ``options`` (strategy, zero-axes); costs already multiplied by ``count``."""
+
+    key: str
+    node: fx.Node
+    options: list[tuple[Strategy, tuple[int, ...]]]
+    seconds: list[float]
+    memory_bytes: list[float]
+    count: int = 1
+    is_param: bool = False
+    # Reshards folded in from followers, per option: their seconds and their collectives.
+    comm_seconds: list[float] = field(default_factory=list)
+    comm_steps: list[list[tuple[CommStep, int]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.comm_seconds:
+            self.comm_seconds = [0.0] * len(self.options)
+            self.comm_steps = [[] for _ in self.options]
+
+
+@dataclass
+class EdgeTerm:
+    """Reshard cost between a producer's output layout and a consumer's input layout.
+
+    ``producer_layouts[i]`` is the layout the tensor has under option i of the producer's
+    decision (a follower's output is a function of its root's option); ``consumer_layouts[j]``
+    the layout option j of the consumer needs."""
+
+    producer: str
+    consumer: str
+    producer_layouts: list[Layout]
+    consumer_layouts: list[Layout]
+    seconds: dict[tuple[Layout, Layout], float]
+    count: int = 1
+    total_bytes: float = 0.0
+    needs_grad: bool = False
+
+
+@dataclass
+class SyncTerm:
+    """One gradient all-reduce of ``tensor`` on ``axis``, paid if any trigger option is chosen."""
+
+    tensor: str
+    axis: int
+    seconds: float
+    triggers: list[tuple[str, int]]  # (decision key, option index)
+    nbytes: float = 0.0  # per-rank bytes of the all-reduce, per copy
+    count: int = 1
+
+
+@dataclass
+class Problem:
+    mesh: MeshSpec
+    decisions: dict[str, Decision]
+    edges: list[EdgeTerm]
+    syncs: list[SyncTerm]
+    rep_of: dict[str, str]  # every node name -> the decision key it shares
+    counts: dict[str, int] = field(default_factory=dict)
+    # Followers: node name -> (root decision key, per root option: (strategy of the node, its output layouts))
+    followers: dict[str, tuple[str, list[Strategy]]] = field(default_factory=dict)
+
+    def strategy_of(self, name: str, choice: dict[str, int]) -> Strategy:
+        """The strategy node ``name`` runs under a solved ``choice``."""
+        key = self.rep_of[name]
+        if key in self.followers:
+            root, per_option = self.followers[key]
+            return per_option[choice[root]]
+        return self.decisions[key].options[choice[key]][0]
+
+    def n_variables(self) -> int:
+        n = sum(len(d.options) for d in self.decisions.values())
+        n += sum(len(e.seconds) for e in self.edges)
+        return n + len(self.syncs)
+
+
+_BLOCK_RE = re.compile(r"^(?P<prefix>.*?)\.?(?P<index>\d+)$")
+
+
+def _block_of(node: fx.Node) -> tuple[str, int] | None:
+    """(container path, index) of the repeated block (a ModuleList entry) a node belongs to."""
+    if node.op == "get_attr":
+        parts = str(node.target).split(".")
+        for k, part in enumerate(parts[:-1]):
+            if part.isdigit():
+                return ".".join(parts[:k]), int(part)
+        return None
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in stack.values():
+        m = _BLOCK_RE.match(path or "")
+        if m and m.group("prefix"):
+            return m.group("prefix"), int(m.group("index"))
+    return None
+
+
+def _signature(node: fx.Node) -> tuple:
+    val = node.meta.get("val")
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    return (node.op, str(node.target) if node.op == "call_function" else "", shape)
+
+
+def _share_blocks(nodes: list[fx.Node]) -> dict[str, str]:
+    """Map each node to the node whose decision it shares (itself unless in a repeated block)."""
+    rep = {n.name: n.name for n in nodes}
+    blocks: dict[tuple[str, int], list[fx.Node]] = defaultdict(list)
+    for n in nodes:
+        b = _block_of(n)
+        if b is not None:
+            blocks[b].append(n)
+    by_prefix: dict[str, list[int]] = defaultdict(list)
+    for prefix, index in blocks:
+        by_prefix[prefix].append(index)
+    for prefix, indices in by_prefix.items():
+        indices.sort()
+        first = indices[0]
+        first_sig = [_signature(n) for n in blocks[(prefix, first)]]
+        for index in indices[1:]:
+            members = blocks[(prefix, index)]
+            if [_signature(n) for n in members] != first_sig:
+                first, first_sig = index, [_signature(n) for n in members]
+                continue
+            for n, r in zip(members, blocks[(prefix, first)]):
+                rep[n.name] = r.name
+    return rep
+
+
+def _requires_grad(gm: fx.GraphModule) -> dict[str, bool]:
+    params = {name for name, _ in gm.named_parameters()}
+    needs: dict[str, bool] = {}
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point or (
+            isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+                                                   for v in val))
+        if n.op == "get_attr":
+            needs[n.name] = str(n.target) in params
+        elif n.op == "call_function":
+            ins = tensor_leaves(n.args, n.kwargs, lambda x: isinstance(x, fx.Node))
+            needs[n.name] = bool(floating) and any(needs.get(i.name, False) for i in ins)
+        else:
+            needs[n.name] = False
+    return needs
+
+
+def _tensor_bytes(val: Any, train: TrainingSpec) -> float:
+    if not isinstance(val, torch.Tensor):
+        return 0.0
+    elem = train.activation_bytes_per_elem if val.dtype.is_floating_point else val.element_size()
+    return float(val.numel() * elem)
+
+
+def _param_options(node: fx.Node, strategies, mesh: MeshSpec) -> list[tuple[Strategy, tuple[int, ...]]]:
+    options = []
+    for s in strategies:
+        options.append((s, ()))
+        replicated_axes = tuple(a for a, p in enumerate(s.output.placements) if isinstance(p, Replicate)
+                                and mesh.sizes[a] > 1)
+        if replicated_axes:
+            options.append((s, replicated_axes))
+    return options
+
+
+def _inputs(node: fx.Node) -> list[tuple[fx.Node, int]]:
+    """(producer, output index) of each tensor input of ``node``, in strategy order."""
+    if node.op != "call_function":
+        return []
+    if node.target is operator.getitem:
+        return [(node.args[0], int(node.args[1]))]
+    return [(p, 0) for p in tensor_leaves(node.args, node.kwargs,
+                                          lambda x: isinstance(x, fx.Node) and isinstance(x.meta.get("val"),
+                                                                                          torch.Tensor))]
+
+
+def _is_follower(node: fx.Node) -> bool:
+    """A node with one tensor input and no parameter of its own (views, unary elementwise,
+    getitem) adopts its producer's layout: it gets no decision of its own."""
+    return node.op == "call_function" and len(_inputs(node)) == 1
+
+
+class _Builder:
+    def __init__(self, gm, mesh, hw, train, pins):
+        self.gm, self.mesh, self.hw, self.train, self.pins = gm, mesh, hw, train, pins
+        self.nodes = [n for n in gm.graph.nodes if n.meta.get(STRATEGIES_KEY)]
+        self.rep = _share_blocks(self.nodes)
+        self.counts: dict[str, int] = defaultdict(int)
+        for n in self.nodes:
+            self.counts[self.rep[n.name]] += 1
+        self.needs = _requires_grad(gm)
+        self.params = {name for name, _ in gm.named_parameters()}
+        self.decisions: dict[str, Decision] = {}
+        self.followers: dict[str, tuple[str, list[Strategy]]] = {}
+
+    def tensor_bytes(self, producer: fx.Node, out_idx: int) -> float:
+        val = producer.meta["val"]
+        return _tensor_bytes(val[out_idx] if isinstance(val, (list, tuple)) else val, self.train)
+
+    def source(self, producer: fx.Node, out_idx: int) -> tuple[str, list[Layout]] | None:
+        """(decision key, layout of this tensor under each option of that decision)."""
+        key = self.rep.get(producer.name)
+        if key in self.followers:
+            root, per_option = self.followers[key]
+            return root, [st.outputs[out_idx] for st in per_option]
+        if key in self.decisions:
+            return key, [st.outputs[out_idx] for st, _ in self.decisions[key].options]
+        return None
+
+    def add_root(self, n: fx.Node) -> None:
+        strategies = n.meta[STRATEGIES_KEY]
+        is_param = n.op == "get_attr" and str(n.target) in self.params
+        if is_param:
+            options = _param_options(n, strategies, self.mesh)
+        else:
+            # Partial activations enter a decision only from contractions (S(k) x S(k) -> P) and
+            # pass through followers; an op taking Partial activations (P + P -> P, P @ R -> P)
+            # defers the reduction at best by one op, and pricing it would triple the edge variables.
+            # (Parameters may arrive Partial: a bias added after a row-parallel contraction.)
+            from_params = [u.op == "get_attr" for u, _ in _inputs(n)]
+            options = [(s, ()) for s in strategies
+                       if not any(l.has_partial and not p for l, p in zip(s.inputs, from_params))]
+            options = options or [(s, ()) for s in strategies]
+        if self.pins is not None:
+            options = [o for o in options if self.pins(n, o)] or options
+        count = self.counts[n.name]
+        seconds, memory = [], []
+        for st, zero_axes in options:
+            sec, mem = self.option_cost(n, st, zero_axes, is_param)
+            seconds.append(sec * count)
+            memory.append(mem * count)
+        self.decisions[n.name] = Decision(n.name, n, options, seconds, memory, count, is_param)
+
+    def option_cost(self, n: fx.Node, st: Strategy, zero_axes, is_param: bool) -> tuple[float, float]:
+        mesh, hw, train = self.mesh, self.hw, self.train
+        if is_param:
+            mem = param_state_bytes(n.meta["val"].numel(), st.output, mesh, train, zero_axes)
+            # The optimizer step streams weights, gradients and state once. ZeRO-2's gather after
+            # the step replaces half of the gradient all-reduce in the ring model, so it costs
+            # only one more kernel launch (which also breaks the tie toward plain DP).
+            sec = mem / (hw.efficiency * hw.memory_bandwidth_bytes_per_s) + (hw.kernel_overhead_s if zero_axes else 0)
+            return sec, mem
+        if n.op in ("placeholder", "get_attr"):
+            return 0.0, _tensor_bytes(n.meta["val"], train) * st.output.local_fraction(mesh)
+        fwd, bwd = compute_seconds(n, st, mesh, hw, train, self.needs[n.name])
+        return fwd + bwd, activation_bytes(n, st, mesh, train, self.needs[n.name])
+
+    def add_follower(self, n: fx.Node) -> bool:
+        (producer, out_idx), = _inputs(n)
+        src = self.source(producer, out_idx)
+        if src is None:
+            return False
+        root_key, layouts = src
+        root = self.decisions[root_key]
+        strategies = n.meta[STRATEGIES_KEY]
+        by_input: dict[Layout, list[Strategy]] = defaultdict(list)
+        for st in strategies:
+            by_input[st.inputs[0]].append(st)
+        total = self.tensor_bytes(producer, out_idx)
+        count = self.counts[n.name]
+        chosen_per_option: list[Strategy] = []
+        cache: dict[Layout, tuple] = {}
+        for i, a in enumerate(layouts):
+            if a not in cache:
+                best = None
+                for st in (by_input.get(a) or strategies):
+                    fwd, bwd = reshard_steps(a, st.inputs[0], total, self.mesh, self.needs.get(producer.name, False))
+                    comm = steps_seconds(fwd, self.mesh) + steps_seconds(bwd, self.mesh)
+                    sec, mem = self.option_cost(n, st, (), False)
+                    if best is None or sec + comm < best[1] + best[3]:
+                        best = (st, sec, mem, comm, fwd + bwd)
+                cache[a] = best
+            st, sec, mem, comm, steps = cache[a]
+            chosen_per_option.append(st)
+            root.seconds[i] += (sec + comm) * count
+            root.memory_bytes[i] += mem * count
+            if steps:
+                root.comm_seconds[i] += comm * count
+                root.comm_steps[i].extend((step, count) for step in steps)
+        self.followers[n.name] = (root_key, chosen_per_option)
+        return True
+
+    def build(self) -> Problem:
+        for n in self.nodes:
+            if self.rep[n.name] != n.name:
+                continue
+            if not (_is_follower(n) and self.add_follower(n)):
+                self.add_root(n)
+        edges, syncs = self.edges_and_syncs()
+        return Problem(self.mesh, self.decisions, edges, syncs, self.rep, dict(self.counts), self.followers)
+
+    def edges_and_syncs(self):
+        mesh = self.mesh
+        edge_acc: dict[tuple, EdgeTerm] = {}
+        sync_acc: dict[tuple, SyncTerm] = {}
+        for v in self.nodes:
+            vkey = self.rep[v.name]
+            if vkey in self.followers:
+                continue  # folded into its root's options
+            dv = self.decisions[vkey]
+            for k, (u, out_idx) in enumerate(_inputs(v)):
+                src = self.source(u, out_idx)
+                if src is None:
+                    continue
+                ukey, producer_layouts = src
+                total = self.tensor_bytes(u, out_idx)
+                grad = self.needs.get(u.name, False)
+                key = (ukey, self.rep[u.name], out_idx, vkey, k)
+                if key in edge_acc:
+                    edge_acc[key].count += 1
+                else:
+                    consumer_layouts = [st.inputs[k] for st, _ in dv.options]
+                    seconds = {}
+                    for a in dict.fromkeys(producer_layouts):
+                        for b in dict.fromkeys(consumer_layouts):
+                            fwd, bwd = reshard_steps(a, b, total, mesh, grad)
+                            seconds[(a, b)] = steps_seconds(fwd, mesh) + steps_seconds(bwd, mesh)
+                    edge_acc[key] = EdgeTerm(ukey, vkey, producer_layouts, consumer_layouts, seconds,
+                                             total_bytes=total, needs_grad=grad)
+                if grad:
+                    self.add_syncs(sync_acc, (self.rep[u.name], out_idx), dv, k, total)
+        edges = list(edge_acc.values())
+        for e in edges:
+            if e.count > 1:
+                e.seconds = {ab: c * e.count for ab, c in e.seconds.items()}
+        syncs = list(sync_acc.values())
+        for sync in syncs:
+            sync.triggers = list(dict.fromkeys(sync.triggers))
+        return edges, syncs
+
+    def add_syncs(self, acc, tensor, dv: Decision, k: int, total: float) -> None:
+        """Gradient all-reduce: input k of dv is replicated on an axis where dv's work is sharded."""
+        mesh = self.mesh
+        for i, (st, _) in enumerate(dv.options):
+            layout = st.inputs[k]
+            for a in range(mesh.ndim):
+                if not isinstance(layout.placements[a], Replicate) or mesh.sizes[a] == 1:
+                    continue
+                if not any(isinstance(l.placements[a], Shard) for l in st.inputs + st.outputs):
+                    continue
+                skey = (tensor, a, layout)
+                if skey not in acc:
+                    local = total * layout.local_fraction(mesh)
+                    # A shared block pays its syncs once per copy of the block.
+                    seconds = all_reduce_s(local, mesh.sizes[a], mesh.links[a]) * dv.count
+                    acc[skey] = SyncTerm(f"{tensor[0]}[{tensor[1]}]", a, seconds, [], local, dv.count)
+                acc[skey].triggers.append((dv.key, i))
+
+
+def build_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: TrainingSpec,
+                  pins: Pins = None) -> Problem:
+    """Price every strategy of the annotated ``gm`` (see the module docstring)."""
+    return _Builder(gm, mesh, hw, train, pins).build()
