@@ -2,6 +2,7 @@
 
     gm = autopar.trace(model, example_inputs)          # torch.fx graph, shapes on every node
     autopar.annotate(gm, autopar.MeshSpec.parse("dp=2,tp=4"))   # candidate strategies per node
+    plan = autopar.plan(model, 8, example_inputs)          # mesh, layouts, predicted time and memory
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from .strategy import Cost, Layout, Strategy
 from .trace import trace
 from .passes import FALLBACK_KEY, STRATEGIES_KEY, UnknownOpWarning, annotate
 from .passes.rules import register_rule, temporary_rule
+from .plan import Plan
+from .planner import plan
 
 __all__ = [
-    "trace", "annotate", "MeshSpec", "Link", "Layout", "Strategy", "Cost", "register_rule", "temporary_rule",
+    "trace", "annotate", "plan", "Plan", "MeshSpec", "Link", "Layout", "Strategy", "Cost", "register_rule", "temporary_rule",
     "AutoparError", "TraceError", "MeshError", "UnknownOpWarning", "STRATEGIES_KEY", "FALLBACK_KEY",
 ]
 __version__ = "0.1.0"

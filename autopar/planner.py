@@ -164,30 +164,34 @@ def _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_
     """Exact search over meshes: LP bounds first, then ILPs in bound order (module doc)."""
     bounded = []
     infeasible_need = math.inf
+    single = len(meshes_and_pins) == 1
     for mesh, pin in meshes_and_pins:
         problem = _prepare(gm, mesh, hw, train, pin)
+        if single:  # nothing to rank: go straight to the ILP
+            bounded.append((0.0, mesh, problem))
+            continue
         try:
             lp = solve(problem, budget, time_limit_s=time_limit_s, relax=True)
         except InfeasibleBudgetError as exc:
             infeasible_need = min(infeasible_need, exc.need_bytes)
             continue
-        bounded.append((lp.objective_s, mesh, pin))
+        bounded.append((lp.objective_s, mesh, problem))
         _progress(progress, f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars)")
     bounded.sort(key=lambda t: t[0])
     best: _Solved | None = None
     solved = 0
     note = "exact over meshes (every other mesh's LP bound is no better)"
-    for bound, mesh, pin in bounded:
+    for bound, mesh, problem in bounded:
         if best is not None and bound >= best.prediction.step_seconds * (1 - 1e-9):
             break  # no plan on this or any later mesh can beat the best one
         if solved >= max_ilps:
             note = (f"mesh search stopped after {max_ilps} ILPs; unsolved meshes have lower bounds from "
                     f"{bound * 1e3:.3f} ms (a bound, not a plan)")
             break
-        problem = _prepare(gm, mesh, hw, train, pin)
         try:
             s = _solve(problem, budget, time_limit_s)
-        except InfeasibleBudgetError:
+        except InfeasibleBudgetError as exc:
+            infeasible_need = min(infeasible_need, exc.need_bytes)
             continue
         solved += 1
         _progress(progress, f"mesh {mesh}: ILP {s.result.status} {s.prediction.step_seconds * 1e3:.3f} ms "
