@@ -258,8 +258,8 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
 
 
 def _search_quiet(gm, meshes_and_pins, hw, train, budget, time_limit_s):
-    try:
-        return _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, False)[0]
+    try:  # a baseline family takes its best mesh by LP bound: one ILP per family
+        return _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, False, max_ilps=1)[0]
     except InfeasibleBudgetError:
         return None
 

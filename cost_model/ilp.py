@@ -103,17 +103,22 @@ def _add_decisions(m: _Model, problem: Problem) -> dict[str, list[int]]:
 
 
 def _add_edges(m: _Model, problem: Problem, x) -> None:
-    for t, edge in enumerate(problem.edges):
+    for edge in problem.edges:
         if not any(edge.seconds.values()):
             continue  # every pairing is free: no variables needed
-        e = {ab: m.col(c) for ab, c in edge.seconds.items()}
-        for a in dict.fromkeys(edge.producer_layouts):
-            coeffs = [(v, 1.0) for (aa, _), v in e.items() if aa == a]
-            coeffs += [(x[edge.producer][i], -1.0) for i, l in enumerate(edge.producer_layouts) if l == a]
+        out_rows: dict = {}
+        in_rows: dict = {}
+        for (a, b), cost in edge.seconds.items():
+            col = m.col(cost)
+            out_rows.setdefault(a, []).append((col, 1.0))
+            in_rows.setdefault(b, []).append((col, 1.0))
+        for i, a in enumerate(edge.producer_layouts):
+            out_rows[a].append((x[edge.producer][i], -1.0))
+        for j, b in enumerate(edge.consumer_layouts):
+            in_rows[b].append((x[edge.consumer][j], -1.0))
+        for a, coeffs in out_rows.items():
             m.row(f"edge_out[{edge.producer}->{edge.consumer}:{a}]", coeffs, 0.0, 0.0)
-        for b in dict.fromkeys(edge.consumer_layouts):
-            coeffs = [(v, 1.0) for (_, bb), v in e.items() if bb == b]
-            coeffs += [(x[edge.consumer][j], -1.0) for j, l in enumerate(edge.consumer_layouts) if l == b]
+        for b, coeffs in in_rows.items():
             m.row(f"edge_in[{edge.producer}->{edge.consumer}:{b}]", coeffs, 0.0, 0.0)
 
 

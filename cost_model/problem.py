@@ -240,6 +240,18 @@ class _Builder:
         self.params = {name for name, _ in gm.named_parameters()}
         self.decisions: dict[str, Decision] = {}
         self.followers: dict[str, tuple[str, list[Strategy]]] = {}
+        self._reshard_cache: dict = {}
+        self._split_cache: dict[str, list[tuple[int, ...]]] = {}
+
+    def reshard(self, a: Layout, b: Layout, total: float, grad: bool):
+        """(forward steps, backward steps, seconds) of a reshard, memoized: blocks repeat them."""
+        key = (a, b, total, grad)
+        hit = self._reshard_cache.get(key)
+        if hit is None:
+            fwd, bwd = reshard_steps(a, b, total, self.mesh, grad)
+            hit = (fwd, bwd, steps_seconds(fwd, self.mesh) + steps_seconds(bwd, self.mesh))
+            self._reshard_cache[key] = hit
+        return hit
 
     def tensor_bytes(self, producer: fx.Node, out_idx: int) -> float:
         val = producer.meta["val"]
@@ -312,8 +324,7 @@ class _Builder:
             if a not in cache:
                 best = None
                 for st in (by_input.get(a) or strategies):
-                    fwd, bwd = reshard_steps(a, st.inputs[0], total, self.mesh, self.needs.get(producer.name, False))
-                    comm = steps_seconds(fwd, self.mesh) + steps_seconds(bwd, self.mesh)
+                    fwd, bwd, comm = self.reshard(a, st.inputs[0], total, self.needs.get(producer.name, False))
                     sec, mem = self.option_cost(n, st, (), False)
                     if best is None or sec + comm < best[1] + best[3]:
                         best = (st, sec, mem, comm, fwd + bwd)
@@ -361,12 +372,11 @@ class _Builder:
                     seconds = {}
                     for a in dict.fromkeys(producer_layouts):
                         for b in dict.fromkeys(consumer_layouts):
-                            fwd, bwd = reshard_steps(a, b, total, mesh, grad)
-                            seconds[(a, b)] = steps_seconds(fwd, mesh) + steps_seconds(bwd, mesh)
+                            seconds[(a, b)] = self.reshard(a, b, total, grad)[2]
                     edge_acc[key] = EdgeTerm(ukey, vkey, producer_layouts, consumer_layouts, seconds,
                                              total_bytes=total, needs_grad=grad)
-                if grad:
-                    self.add_syncs(sync_acc, (self.rep[u.name], out_idx), dv, k, total)
+                    if grad:  # once per edge: a repeated block's copies share the sync terms
+                        self.add_syncs(sync_acc, (self.rep[u.name], out_idx), dv, k, total)
         edges = list(edge_acc.values())
         for e in edges:
             if e.count > 1:
@@ -376,15 +386,23 @@ class _Builder:
             sync.triggers = list(dict.fromkeys(sync.triggers))
         return edges, syncs
 
+    def _split_axes(self, d: Decision) -> list[tuple[int, ...]]:
+        """Per option, the mesh axes (of size > 1) on which the node's work is sharded."""
+        cached = self._split_cache.get(d.key)
+        if cached is None:
+            cached = [tuple(a for a in range(self.mesh.ndim) if self.mesh.sizes[a] > 1 and any(
+                isinstance(l.placements[a], Shard) for l in st.inputs + st.outputs)) for st, _ in d.options]
+            self._split_cache[d.key] = cached
+        return cached
+
     def add_syncs(self, acc, tensor, dv: Decision, k: int, total: float) -> None:
         """Gradient all-reduce: input k of dv is replicated on an axis where dv's work is sharded."""
         mesh = self.mesh
+        split_axes = self._split_axes(dv)
         for i, (st, _) in enumerate(dv.options):
             layout = st.inputs[k]
-            for a in range(mesh.ndim):
-                if not isinstance(layout.placements[a], Replicate) or mesh.sizes[a] == 1:
-                    continue
-                if not any(isinstance(l.placements[a], Shard) for l in st.inputs + st.outputs):
+            for a in split_axes[i]:
+                if not isinstance(layout.placements[a], Replicate):
                     continue
                 skey = (tensor, a, layout)
                 if skey not in acc:
