@@ -17,8 +17,8 @@ Constraints, each added by the function named:
 * ``one_option``     (:func:`_add_decisions`): sum_i x_{d,i} = 1 for every decision d;
 * ``edge_out``/``edge_in`` (:func:`_add_edges`): sum_b e_{t,a,b} = sum_{i: out(i)=a} x_{u,i} and
   sum_a e_{t,a,b} = sum_{i: in(i)=b} x_{v,i}: the edge's layout pair agrees with both ends;
-* ``sync``           (:func:`_add_syncs`): z_g >= x_{d,i} for every option that makes the
-  gradient partial;
+* ``sync``           (:func:`_add_syncs`): z_g >= sum_{i in T_{g,d}} x_{d,i} for every decision d,
+  T_{g,d} its options that make the gradient partial;
 * ``memory``         (:func:`_add_memory`): sum_{d,i} M_{d,i} x_{d,i} <= budget bytes.
 
 The model is built once as a sparse matrix (:class:`_Model`) and handed to HiGHS through
@@ -127,8 +127,14 @@ def _add_syncs(m: _Model, problem: Problem, x) -> None:
         if sync.seconds <= 0:
             continue
         z = m.col(sync.seconds)
+        # z >= sum of a decision's triggering options: they exclude each other, so this is
+        # valid, and tighter than one row per option.
+        by_decision: dict[str, list[int]] = {}
         for key, i in sync.triggers:
-            m.row(f"sync[{sync.tensor}@{sync.axis}]", [(z, 1.0), (x[key][i], -1.0)], 0.0, float("inf"))
+            by_decision.setdefault(key, []).append(i)
+        for key, options in by_decision.items():
+            m.row(f"sync[{sync.tensor}@{sync.axis}]", [(z, 1.0)] + [(x[key][i], -1.0) for i in options],
+                  0.0, float("inf"))
 
 
 def _add_memory(m: _Model, problem: Problem, x, budget_bytes: float | None) -> None:
