@@ -8,6 +8,7 @@ and the cost of running the node that way.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -31,11 +32,38 @@ def placement_str(p: Placement) -> str:
     return str(p)
 
 
-@dataclass(frozen=True)
+# Placement codes: a Shard is its dim (>= 0); the rest are negative. Layout logic runs on
+# these ints because torch's placements are C++ objects whose isinstance/hash calls dominated
+# the planner's profile.
+REPLICATE_CODE, PARTIAL_SUM_CODE, PARTIAL_AVG_CODE, OTHER_CODE = -1, -2, -3, -4
+
+
+def placement_code(p: Placement) -> int:
+    if isinstance(p, Shard):
+        return p.dim
+    if isinstance(p, Replicate):
+        return REPLICATE_CODE
+    if isinstance(p, Partial):
+        return PARTIAL_SUM_CODE if p.reduce_op == "sum" else PARTIAL_AVG_CODE if p.reduce_op == "avg" else OTHER_CODE
+    return OTHER_CODE
+
+
+@dataclass(frozen=True, eq=False)
 class Layout:
     """One placement per mesh axis, outermost axis first. ``str`` is e.g. ``S(0)R``."""
 
     placements: tuple[Placement, ...]
+
+    @functools.cached_property
+    def codes(self) -> tuple[int, ...]:
+        """The placements as ints: the Shard dim, or a negative code (see ``placement_code``)."""
+        return tuple(placement_code(p) for p in self.placements)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.codes == other.codes
+
+    def __hash__(self) -> int:
+        return hash(self.codes)
 
     @classmethod
     def replicated(cls, ndim: int) -> "Layout":
@@ -44,9 +72,9 @@ class Layout:
     def shard_counts(self, mesh: MeshSpec, tensor_ndim: int) -> tuple[int, ...]:
         """How many pieces each tensor dim is cut into on ``mesh``."""
         counts = [1] * tensor_ndim
-        for p, size in zip(self.placements, mesh.sizes):
-            if isinstance(p, Shard):
-                counts[p.dim % tensor_ndim] *= size
+        for c, size in zip(self.codes, mesh.sizes):
+            if c >= 0:
+                counts[c % tensor_ndim] *= size
         return tuple(counts)
 
     def local_shape(self, mesh: MeshSpec, shape: Sequence[int]) -> tuple[int, ...]:
@@ -57,21 +85,21 @@ class Layout:
     def divides(self, mesh: MeshSpec, shape: Sequence[int]) -> bool:
         """True when every sharded dim splits evenly across the axes that shard it."""
         if not shape:
-            return not any(isinstance(p, Shard) for p in self.placements)
+            return not any(c >= 0 for c in self.codes)
         counts = self.shard_counts(mesh, len(shape))
         return all(s % c == 0 for s, c in zip(shape, counts))
 
     def local_fraction(self, mesh: MeshSpec) -> float:
         """The fraction of the full tensor each device holds (Partial holds a full-size piece)."""
-        return 1.0 / math.prod(s for p, s in zip(self.placements, mesh.sizes) if isinstance(p, Shard))
+        return 1.0 / math.prod(s for c, s in zip(self.codes, mesh.sizes) if c >= 0)
 
     @property
     def is_replicated(self) -> bool:
-        return all(isinstance(p, Replicate) for p in self.placements)
+        return all(c == REPLICATE_CODE for c in self.codes)
 
     @property
     def has_partial(self) -> bool:
-        return any(isinstance(p, Partial) for p in self.placements)
+        return any(c in (PARTIAL_SUM_CODE, PARTIAL_AVG_CODE, OTHER_CODE) for c in self.codes)
 
     def __str__(self) -> str:
         return "".join(placement_str(p) for p in self.placements)

@@ -26,10 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from torch.distributed.tensor import Partial, Replicate, Shard
-
 from autopar.mesh import MeshSpec
-from autopar.strategy import Layout
+from autopar.strategy import REPLICATE_CODE, Layout
 
 from .comm import collective_s
 
@@ -46,43 +44,40 @@ class CommStep:
     nbytes: float
 
 
-def _local_bytes(placements: Sequence, mesh: MeshSpec, total_bytes: float) -> float:
-    return total_bytes / math.prod(s for p, s in zip(placements, mesh.sizes) if isinstance(p, Shard))
-
-
 def reshard_steps(src: Layout, dst: Layout, total_bytes: float, mesh: MeshSpec, needs_grad: bool = True
                   ) -> tuple[tuple[CommStep, ...], tuple[CommStep, ...]]:
     """(forward steps, backward steps) to move a tensor of ``total_bytes`` from src to dst."""
     if src == dst:
         return (), ()
-    cur = list(src.placements)
+    cur = list(src.codes)
+    want = dst.codes
     fwd: list[CommStep] = []
     bwd: list[CommStep] = []
     # Gathers first, then reductions, then slices: growing a tensor before cutting it again
     # would move more bytes than needed.
-    order = sorted(range(mesh.ndim), key=lambda a: (not isinstance(src.placements[a], Shard), a))
+    order = sorted(range(mesh.ndim), key=lambda a: (cur[a] < 0, a))
     for a in order:
-        s, d = cur[a], dst.placements[a]
+        s, d = cur[a], want[a]
         if s == d:
             continue
         n = mesh.sizes[a]
-        local = _local_bytes(cur, mesh, total_bytes)
-        if isinstance(s, Shard) and isinstance(d, Replicate):
+        local = total_bytes / math.prod(size for c, size in zip(cur, mesh.sizes) if c >= 0)
+        if s >= 0 and d == REPLICATE_CODE:
             fwd.append(CommStep("all_gather", a, local * n))
-        elif isinstance(s, Replicate) and isinstance(d, Shard):
+        elif s == REPLICATE_CODE and d >= 0:
             if needs_grad:
                 bwd.append(CommStep("all_gather", a, local))
-        elif isinstance(s, Partial) and isinstance(d, Replicate):
+        elif s < REPLICATE_CODE and d == REPLICATE_CODE:
             fwd.append(CommStep("all_reduce", a, local))
-        elif isinstance(s, Partial) and isinstance(d, Shard):
+        elif s < REPLICATE_CODE and d >= 0:
             fwd.append(CommStep("reduce_scatter", a, local))
             if needs_grad:
                 bwd.append(CommStep("all_gather", a, local))
-        elif isinstance(s, Shard) and isinstance(d, Shard):
+        elif s >= 0 and d >= 0:
             fwd.append(CommStep("all_to_all", a, local))
             if needs_grad:
                 bwd.append(CommStep("all_to_all", a, local))
-        elif isinstance(s, Partial) and isinstance(d, Partial):
+        elif s < REPLICATE_CODE and d < REPLICATE_CODE:
             fwd.append(CommStep("all_reduce", a, local))  # a different reduce op: settle first
         # R or S -> P: free (the value is kept on one piece, zeros elsewhere)
         cur[a] = d

@@ -87,7 +87,13 @@ def node_strategies(node: fx.Node, mesh: MeshSpec, cache: dict | None = None) ->
     if node.op in ("placeholder", "get_attr"):
         if not outs:
             return None
-        return tuple(Strategy((), (l,)) for l in source_layouts(tuple(outs[0].shape), mesh))
+        key = ("source", tuple(outs[0].shape), mesh.sizes)
+        if cache is not None and key in cache:
+            return cache[key]
+        result = tuple(Strategy((), (l,)) for l in source_layouts(tuple(outs[0].shape), mesh))
+        if cache is not None:
+            cache[key] = result
+        return result
     if node.op != "call_function":
         return None
     if node.target is operator.getitem:
@@ -97,7 +103,7 @@ def node_strategies(node: fx.Node, mesh: MeshSpec, cache: dict | None = None) ->
         return tuple(Strategy((l,), (l,)) for l in layouts) or None
     rule = get_rule(node.target)
     args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
-    key = (node.target, _signature_tree(args, kwargs), mesh)
+    key = (node.target, _signature_tree(args, kwargs), mesh.sizes)  # strategies depend on sizes only
     if cache is not None and key in cache:
         return cache[key]
     ins = [tensor_info(t) for t in tensor_leaves(args, kwargs)]
@@ -112,9 +118,18 @@ def _signature_tree(args: Any, kwargs: Any) -> Any:
     return (tuple(_signature(l) for l in leaves), str(spec))
 
 
+# Expansions shared across annotate calls (the planner annotates one graph for many meshes,
+# and every layer of a model repeats the same shapes). Keyed by op, argument shapes and mesh
+# sizes; cleared when it grows past _CACHE_LIMIT entries.
+_CACHE: dict = {}
+_CACHE_LIMIT = 200_000
+
+
 def annotate(gm: fx.GraphModule, mesh: MeshSpec) -> fx.GraphModule:
     """Attach candidate strategies to every node of ``gm`` for ``mesh`` (see module doc)."""
-    cache: dict = {}
+    if len(_CACHE) > _CACHE_LIMIT:
+        _CACHE.clear()
+    cache = _CACHE
     unknown: dict[str, int] = {}
     for node in gm.graph.nodes:
         node.meta.pop(FALLBACK_KEY, None)
