@@ -5,7 +5,8 @@
    across nodes; or the user's pinned mesh): annotate, price (``cost_model.problem``) and
    solve the LP relaxation, whose objective bounds every plan on that mesh from below.
 3. Solve the ILP on meshes in order of their bound, stopping once the next bound is no better
-   than the best plan found: the mesh search is exact, and usually solves one or two ILPs.
+   than the best plan found: the mesh search is exact. The LP relaxation is usually integral
+   (then it is the ILP optimum and no branching is needed).
 4. Price the baselines users would pick instead (DDP, FSDP/ZeRO-3, Megatron TP with and without
    sequence parallelism, Megatron TP x DP) with the same model: each is the same ILP with the
    family's layouts pinned. The chosen plan is never predicted slower than a feasible baseline:
@@ -161,41 +162,42 @@ def _progress(enabled: bool, message: str) -> None:
 
 def _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_ilps: int = 3
             ) -> tuple[_Solved | None, int, str]:
-    """Exact search over meshes: LP bounds first, then ILPs in bound order (module doc)."""
+    """Exact search over meshes: LP bounds first, then ILPs in bound order (module doc). An
+    integral LP solution is already the ILP optimum of its mesh and needs no ILP."""
     bounded = []
     infeasible_need = math.inf
-    single = len(meshes_and_pins) == 1
     for mesh, pin in meshes_and_pins:
         problem = _prepare(gm, mesh, hw, train, pin)
-        if single:  # nothing to rank: go straight to the ILP
-            bounded.append((0.0, mesh, problem))
-            continue
         try:
             lp = solve(problem, budget, time_limit_s=time_limit_s, relax=True)
         except InfeasibleBudgetError as exc:
             infeasible_need = min(infeasible_need, exc.need_bytes)
             continue
-        bounded.append((lp.objective_s, mesh, problem))
-        _progress(progress, f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars)")
+        bounded.append((lp.objective_s, mesh, problem, lp))
+        _progress(progress, f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars"
+                            f"{', integral' if lp.integral else ''})")
     bounded.sort(key=lambda t: t[0])
     best: _Solved | None = None
     solved = 0
     note = "exact over meshes (every other mesh's LP bound is no better)"
-    for bound, mesh, problem in bounded:
+    for bound, mesh, problem, lp in bounded:
         if best is not None and bound >= best.prediction.step_seconds * (1 - 1e-9):
             break  # no plan on this or any later mesh can beat the best one
         if solved >= max_ilps:
             note = (f"mesh search stopped after {max_ilps} ILPs; unsolved meshes have lower bounds from "
                     f"{bound * 1e3:.3f} ms (a bound, not a plan)")
             break
-        try:
-            s = _solve(problem, budget, time_limit_s)
-        except InfeasibleBudgetError as exc:
-            infeasible_need = min(infeasible_need, exc.need_bytes)
-            continue
+        if lp.integral:
+            s = _Solved(mesh, problem, lp, evaluate(problem, lp.choice))
+        else:
+            try:
+                s = _solve(problem, budget, time_limit_s)
+            except InfeasibleBudgetError as exc:
+                infeasible_need = min(infeasible_need, exc.need_bytes)
+                continue
         solved += 1
-        _progress(progress, f"mesh {mesh}: ILP {s.result.status} {s.prediction.step_seconds * 1e3:.3f} ms "
-                            f"in {s.result.seconds:.1f} s")
+        _progress(progress, f"mesh {mesh}: {'LP integral' if lp.integral else 'ILP ' + s.result.status} "
+                            f"{s.prediction.step_seconds * 1e3:.3f} ms in {s.result.seconds:.1f} s")
         if best is None or s.prediction.step_seconds < best.prediction.step_seconds:
             best = s
     if best is None and math.isfinite(infeasible_need):

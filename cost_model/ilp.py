@@ -60,6 +60,7 @@ class SolveResult:
     seconds: float
     n_variables: int
     n_constraints: int
+    integral: bool = True  # False for an LP relaxation whose solution is fractional
 
     @property
     def gap(self) -> float:
@@ -222,7 +223,8 @@ def _solve_cbc(m: _Model, time_limit_s: float, relax: bool = False) -> tuple[str
 def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: str = "highs",
           time_limit_s: float = 60.0, relax: bool = False) -> SolveResult:
     """Choose one option per decision minimizing step time under the budget (module doc).
-    ``relax=True`` solves the LP relaxation only: its objective bounds every plan from below."""
+    ``relax=True`` solves the LP relaxation only: its objective bounds every plan from below,
+    and when its solution is integral (``result.integral``) it is the ILP's optimum."""
     t0 = time.perf_counter()
     m = _Model()
     x = _add_decisions(m, problem)
@@ -252,5 +254,8 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
         raise AutoparError(f"the ILP solver stopped with status {status!r} before finding any plan; "
                            f"raise the time limit")
     choice = {k: int(np.argmax(values[cols])) for k, cols in x.items()}
+    integral = bool(np.all(np.minimum(values[m_int := np.asarray(m.integer)], 1 - values[m_int]) < 1e-6))
+    if relax and integral:
+        status = "Optimal"  # an integral LP optimum is the ILP optimum: no branching needed
     return SolveResult(choice, objective, bound, status, used, time.perf_counter() - t0,
-                       len(m.cost), len(m.row_lower))
+                       len(m.cost), len(m.row_lower), integral)
