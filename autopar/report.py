@@ -16,7 +16,9 @@ def _ms(s: float) -> str:
 
 
 def _gib(b: float) -> str:
-    return "-" if not math.isfinite(b) else f"{b / 2**30:,.2f} GiB"
+    if not math.isfinite(b):
+        return "-"
+    return f"{b / 2**30:,.2f} GiB" if b >= 2**30 else f"{b / 2**20:,.1f} MiB"
 
 
 def _block_rows(plan: Plan) -> list[tuple[str, str, str]]:

@@ -183,3 +183,14 @@ def test_cli_errors_are_one_line(args, message):
     assert out.returncode == 2
     err = [l for l in out.stderr.splitlines() if l.startswith("autopar: error:")]
     assert len(err) == 1 and message in err[0], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "bert-tiny", "vit-tiny", "hf-gpt2-tiny", "hf-bert-tiny"])
+def test_every_tiny_zoo_model_plans_and_beats_or_ties_its_baselines(name):
+    from autopar.models import get_model
+
+    model, inputs = get_model(name, device="meta")
+    p = plan(model, 4, inputs, model_name=name)
+    assert p.solver.status == "Optimal" and p.solver.gap < 1e-3
+    assert all(p.step_seconds <= b.step_seconds * (1 + 1e-9) for b in p.baselines if b.feasible)
+    assert all(n.strategy for n in p.nodes)
