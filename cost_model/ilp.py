@@ -69,6 +69,13 @@ class SolveResult:
         return max(0.0, (self.objective_s - self.lower_bound_s) / self.objective_s)
 
 
+# The model is built in microseconds and MiB: in seconds and bytes, costs of 1e-9 would sit
+# under the solvers' tolerances (HiGHS's absolute MIP gap is 1e-6 and its dual feasibility
+# tolerance 1e-7), and it stopped short of the optimum on small graphs.
+_TIME_SCALE = 1e6
+_MEMORY_SCALE = 1.0 / 2**20
+
+
 @dataclass
 class _Model:
     """Columns (cost, bounds, integrality) and rows (bounds, coefficients) of the ILP."""
@@ -81,8 +88,8 @@ class _Model:
     row_names: list[str] = field(default_factory=list)
     entries: list[tuple[int, int, float]] = field(default_factory=list)  # (row, col, value)
 
-    def col(self, cost: float, integer: bool = False) -> int:
-        self.cost.append(cost)
+    def col(self, cost_s: float, integer: bool = False) -> int:
+        self.cost.append(cost_s * _TIME_SCALE)
         self.upper.append(1.0)
         self.integer.append(integer)
         return len(self.cost) - 1
@@ -141,8 +148,9 @@ def _add_syncs(m: _Model, problem: Problem, x) -> None:
 def _add_memory(m: _Model, problem: Problem, x, budget_bytes: float | None) -> None:
     if budget_bytes is None:
         return
-    coeffs = [(x[k][i], mem) for k, d in problem.decisions.items() for i, mem in enumerate(d.memory_bytes) if mem]
-    m.row("memory", coeffs, -float("inf"), budget_bytes)
+    coeffs = [(x[k][i], mem * _MEMORY_SCALE) for k, d in problem.decisions.items()
+              for i, mem in enumerate(d.memory_bytes) if mem]
+    m.row("memory", coeffs, -float("inf"), budget_bytes * _MEMORY_SCALE)
 
 
 def min_memory_bytes(problem: Problem) -> float:
@@ -253,6 +261,7 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     if values is None:
         raise AutoparError(f"the ILP solver stopped with status {status!r} before finding any plan; "
                            f"raise the time limit")
+    objective, bound = objective / _TIME_SCALE, bound / _TIME_SCALE
     choice = {k: int(np.argmax(values[cols])) for k, cols in x.items()}
     integral = bool(np.all(np.minimum(values[m_int := np.asarray(m.integer)], 1 - values[m_int]) < 1e-6))
     if relax and integral:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.mesh import MeshSpec
 from autopar.passes.annotate import STRATEGIES_KEY
 from autopar.passes.rules import tensor_leaves
-from autopar.strategy import Layout, Strategy
+from autopar.strategy import REPLICATE_CODE, Layout, Strategy
 
 from .comm import all_reduce_s
 from .costs import TrainingSpec, activation_bytes, compute_seconds, param_state_bytes, work_split
@@ -330,6 +330,8 @@ class _Builder:
                         best = (st, sec, mem, comm, fwd + bwd)
                 cache[a] = best
             st, sec, mem, comm, steps = cache[a]
+            steps = list(steps) + self._follower_syncs(st, total, producer)
+            comm = sum(steps_seconds([x], self.mesh) for x in steps) if steps else 0.0
             chosen_per_option.append(st)
             root.seconds[i] += (sec + comm) * count
             root.memory_bytes[i] += mem * count
@@ -339,12 +341,48 @@ class _Builder:
         self.followers[n.name] = (root_key, chosen_per_option)
         return True
 
+    def _follower_syncs(self, st: Strategy, total: float, producer: fx.Node) -> list[CommStep]:
+        """A follower that reads a replicated input into sharded work (an expand that cuts its
+        new dim) owes that input's gradient an all-reduce; followers keep their own."""
+        if not self.needs.get(producer.name, False):
+            return []
+        layout = st.inputs[0]
+        steps = []
+        for a in self._split_axes_of(st):
+            if layout.codes[a] == REPLICATE_CODE:
+                steps.append(CommStep("all_reduce", a, total * layout.local_fraction(self.mesh)))
+        return steps
+
+    def _split_axes_of(self, st: Strategy) -> tuple[int, ...]:
+        return tuple(a for a in range(self.mesh.ndim) if self.mesh.sizes[a] > 1 and any(
+            l.codes[a] >= 0 for l in st.inputs + st.outputs))
+
+    def add_outputs(self) -> None:
+        """The model's outputs go back to the user whole: price their reshard to replicated."""
+        for out in (n for n in self.gm.graph.nodes if n.op == "output"):
+            for producer in tensor_leaves(out.args, {}, lambda x: isinstance(x, fx.Node)):
+                if not isinstance(producer.meta.get("val"), torch.Tensor):
+                    continue
+                src = self.source(producer, 0)
+                if src is None:
+                    continue
+                key, layouts = src
+                d = self.decisions[key]
+                total = self.tensor_bytes(producer, 0)
+                rep = Layout.replicated(self.mesh.ndim)
+                for i, layout in enumerate(layouts):
+                    fwd, bwd, sec = self.reshard(layout, rep, total, False)
+                    d.seconds[i] += sec
+                    d.comm_seconds[i] += sec
+                    d.comm_steps[i].extend((step, 1) for step in fwd + bwd)
+
     def build(self) -> Problem:
         for n in self.nodes:
             if self.rep[n.name] != n.name:
                 continue
             if not (_is_follower(n) and self.add_follower(n)):
                 self.add_root(n)
+        self.add_outputs()
         edges, syncs = self.edges_and_syncs()
         return Problem(self.mesh, self.decisions, edges, syncs, self.rep, dict(self.counts), self.followers)
 

@@ -1,23 +1,34 @@
-"""Reshard: the collectives that move a tensor from one layout to another, per mesh axis.
+"""Reshard: the steps that move a tensor from one layout to another, per mesh axis.
 
-Axes are visited outermost first; each axis whose placement changes needs one step:
+:func:`transitions` is the single source of truth: the cost model prices its steps and the
+lowering (``passes.lower``) emits exactly them, so predicted bytes equal the bytes sent.
 
-====================  ==========================  =============================
-forward               collective (forward)        backward (the transposed step)
-====================  ==========================  =============================
-S(d) -> R             all-gather                  none: the consumer's gradient is
-                                                  already whole, or the consumer's
-                                                  own gradient sync makes it so
-R -> S(d)             none (local slice)          all-gather of the gradient
-P -> R                all-reduce                  none
-P -> S(d)             reduce-scatter              all-gather of the gradient
-S(d) -> S(e)          all-to-all                  all-to-all
-R or S -> P           none (zero or pad locally)  none
-====================  ==========================  =============================
+A layout's local piece is canonical when a dim cut by several axes is cut outermost axis
+first (DTensor's convention). Steps keep every intermediate canonical:
+
+1. gathers, innermost axis first (an outer axis of a dim is gathered only after the inner
+   axes of that dim; an axis that only moves its cut to another dim uses one all-to-all);
+2. reductions: ``P -> R`` all-reduce, ``P -> S(d)`` reduce-scatter;
+3. slices, outermost axis first; an inner axis already cutting the same dim is gathered in
+   step 1 and cut again here (a local slice cannot reorder pieces);
+4. to-partial: ``R -> P`` keeps the value on one piece (zeros elsewhere), free.
+
+====================  =======================  =============================================
+step                  forward                  backward (the transposed step)
+====================  =======================  =============================================
+all_gather  S -> R    all-gather               none: the gradient arriving is whole on the
+                                               axis (replicated consumer work, or the
+                                               consumer's own gradient sync made it so)
+slice       R -> S    none (local slice)       all-gather of the gradient
+all_reduce  P -> R    all-reduce               none (sum) / scale by 1/n (avg)
+reduce_scatter P -> S reduce-scatter           all-gather of the gradient
+all_to_all  S -> S'   all-to-all               all-to-all
+to_partial  R -> P    none                     none
+====================  =======================  =============================================
 
 Gradient all-reduces that come from *using* a replicated tensor in sharded work (data-parallel
-weight gradients, Megatron's backward all-reduce) are priced by the planner once per tensor,
-not here (see ``cost_model.problem``).
+weight gradients, Megatron's backward all-reduce) are priced per tensor by
+``cost_model.problem`` and emitted by the lowering as ``grad_sync`` steps.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from autopar.strategy import REPLICATE_CODE, Layout
 
 from .comm import collective_s
 
-__all__ = ["CommStep", "reshard_steps", "steps_seconds"]
+__all__ = ["CommStep", "Transition", "transitions", "reshard_steps", "steps_seconds"]
 
 
 @dataclass(frozen=True)
@@ -44,43 +55,99 @@ class CommStep:
     nbytes: float
 
 
+@dataclass(frozen=True)
+class Transition:
+    """One step on one axis: ``kind`` is all_gather, slice, all_reduce, reduce_scatter,
+    all_to_all or to_partial; codes as in ``autopar.strategy.placement_code``."""
+
+    kind: str
+    axis: int
+    src: int
+    dst: int
+
+
+def _is_partial(code: int) -> bool:
+    return code < REPLICATE_CODE
+
+
+def transitions(src: Layout, dst: Layout) -> list[Transition]:
+    """The canonical steps from ``src`` to ``dst`` (see the module docstring)."""
+    cur, want = list(src.codes), dst.codes
+    if tuple(cur) == want:
+        return []
+    ndim = len(cur)
+    steps: list[Transition] = []
+    # An axis moving its cut from dim d to dim e with no other axis cutting d or e: all-to-all.
+    a2a = {a for a in range(ndim) if cur[a] >= 0 and want[a] >= 0 and cur[a] != want[a]
+           and all(b == a or (cur[b] not in (cur[a], want[a]) and want[b] not in (cur[a], want[a]))
+                   for b in range(ndim))}
+    gather = {a for a in range(ndim) if cur[a] >= 0 and cur[a] != want[a] and a not in a2a}
+    slices = {a for a in range(ndim) if want[a] >= 0 and cur[a] != want[a] and a not in a2a}
+    changed = True
+    while changed:  # gathering or slicing an outer axis needs the inner axes of that dim whole
+        changed = False
+        for a in list(gather | slices):
+            dim = cur[a] if a in gather else want[a]
+            for b in range(a + 1, ndim):
+                if cur[b] == dim and b not in gather and b not in a2a:
+                    gather.add(b)
+                    if want[b] >= 0:
+                        slices.add(b)
+                    changed = True
+    for a in sorted(gather, reverse=True):
+        steps.append(Transition("all_gather", a, cur[a], REPLICATE_CODE))
+        cur[a] = REPLICATE_CODE
+    for a in sorted(a2a):
+        steps.append(Transition("all_to_all", a, cur[a], want[a]))
+        cur[a] = want[a]
+    for a in range(ndim):
+        if _is_partial(cur[a]) and cur[a] != want[a]:
+            inner_cut = want[a] >= 0 and any(cur[b] == want[a] for b in range(a + 1, ndim))
+            if want[a] >= 0 and not inner_cut:
+                steps.append(Transition("reduce_scatter", a, cur[a], want[a]))
+                slices.discard(a)
+                cur[a] = want[a]
+            else:
+                steps.append(Transition("all_reduce", a, cur[a], REPLICATE_CODE))
+                cur[a] = REPLICATE_CODE
+                if want[a] >= 0:
+                    slices.add(a)
+    for a in sorted(slices):
+        steps.append(Transition("slice", a, cur[a], want[a]))
+        cur[a] = want[a]
+    for a in range(ndim):
+        if _is_partial(want[a]) and cur[a] != want[a]:
+            steps.append(Transition("to_partial", a, cur[a], want[a]))
+            cur[a] = want[a]
+    assert tuple(cur) == want, (src, dst, steps)
+    return steps
+
+
 def reshard_steps(src: Layout, dst: Layout, total_bytes: float, mesh: MeshSpec, needs_grad: bool = True
                   ) -> tuple[tuple[CommStep, ...], tuple[CommStep, ...]]:
     """(forward steps, backward steps) to move a tensor of ``total_bytes`` from src to dst."""
-    if src == dst:
-        return (), ()
     cur = list(src.codes)
-    want = dst.codes
     fwd: list[CommStep] = []
     bwd: list[CommStep] = []
-    # Gathers first, then reductions, then slices: growing a tensor before cutting it again
-    # would move more bytes than needed.
-    order = sorted(range(mesh.ndim), key=lambda a: (cur[a] < 0, a))
-    for a in order:
-        s, d = cur[a], want[a]
-        if s == d:
-            continue
-        n = mesh.sizes[a]
+    for t in transitions(src, dst):
+        a, n = t.axis, mesh.sizes[t.axis]
         local = total_bytes / math.prod(size for c, size in zip(cur, mesh.sizes) if c >= 0)
-        if s >= 0 and d == REPLICATE_CODE:
+        if t.kind == "all_gather":
             fwd.append(CommStep("all_gather", a, local * n))
-        elif s == REPLICATE_CODE and d >= 0:
+        elif t.kind == "slice":
             if needs_grad:
                 bwd.append(CommStep("all_gather", a, local))
-        elif s < REPLICATE_CODE and d == REPLICATE_CODE:
+        elif t.kind == "all_reduce":
             fwd.append(CommStep("all_reduce", a, local))
-        elif s < REPLICATE_CODE and d >= 0:
+        elif t.kind == "reduce_scatter":
             fwd.append(CommStep("reduce_scatter", a, local))
             if needs_grad:
                 bwd.append(CommStep("all_gather", a, local))
-        elif s >= 0 and d >= 0:
+        elif t.kind == "all_to_all":
             fwd.append(CommStep("all_to_all", a, local))
             if needs_grad:
                 bwd.append(CommStep("all_to_all", a, local))
-        elif s < REPLICATE_CODE and d < REPLICATE_CODE:
-            fwd.append(CommStep("all_reduce", a, local))  # a different reduce op: settle first
-        # R or S -> P: free (the value is kept on one piece, zeros elsewhere)
-        cur[a] = d
+        cur[a] = t.dst
     return tuple(fwd), tuple(bwd)
 
 
