@@ -29,6 +29,7 @@ class NodePlan:
     input_layouts: tuple[str, ...] = ()
     zero_axes: tuple[int, ...] = ()  # parameters: gradients and optimizer state split over these axes
     shares_with: str = ""  # the node of the first repeated block whose decision this node shares
+    follows: str = ""  # a follower's root: the node whose decision sets this node's layout
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class Plan:
                            "feasible": b.feasible} for b in self.baselines],
             "nodes": [{"name": n.name, "op": n.op, "strategy": n.strategy, "output_layout": n.output_layout,
                        "input_layouts": list(n.input_layouts), "zero_axes": list(n.zero_axes),
-                       "shares_with": n.shares_with} for n in self.nodes],
+                       "shares_with": n.shares_with, "follows": n.follows} for n in self.nodes],
         }
 
     def to_json(self, path: str | None = None, indent: int = 1) -> str:
@@ -183,7 +184,7 @@ class Plan:
                             for b in d["baselines"]),
             nodes=tuple(NodePlan(n["name"], n["op"], n["strategy"], n["output_layout"],
                                  tuple(n.get("input_layouts", ())), tuple(n.get("zero_axes", ())),
-                                 n.get("shares_with", "")) for n in d["nodes"]),
+                                 n.get("shares_with", ""), n.get("follows", "")) for n in d["nodes"]),
         )
 
     # --- explain and diff ----------------------------------------------------------------

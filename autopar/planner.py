@@ -35,6 +35,7 @@ from .cost_model.problem import Problem, build_problem
 from .errors import AutoparError
 from .mesh import MeshSpec
 from .passes.annotate import annotate
+from .passes.rules import tensor_leaves
 from .plan import BaselineResult, NodePlan, Plan, SolverStats
 from .trace import trace
 
@@ -91,13 +92,34 @@ def _batch_dim_ok(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.dim() > 0
 
 
+def _is_tensor_node(x: Any) -> bool:
+    return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+
+
+def _batch_sizes(graph: fx.Graph) -> set[int]:
+    return {int(n.meta["val"].shape[0]) for n in graph.nodes if n.op == "placeholder" and _batch_dim_ok(n)}
+
+
 def _pin(data_axes: Sequence[int], tp_axes: Sequence[int], zero3: bool, sp: bool | None) -> Pin:
-    """Inputs batch-sharded on data axes and whole on tensor axes; parameters replicated on data
-    axes (sharded there for ZeRO-3), free on tensor axes; layer norms see whole (sp=False) or
-    sequence-sharded (sp=True) activations on tensor axes."""
+    """What a classic family means, as restrictions on each node's options:
+
+    * data axes: inputs batch-sharded; every activation whose leading dim is the batch stays
+      batch-sharded (or partial, as a loss is) - no gathering the batch; parameters replicated
+      (ZeRO-3: stored sharded, gathered for use); no ZeRO-2 (the baselines are DDP and FSDP);
+    * tensor axes: inputs whole; every weight matrix sharded (column or row parallel); layer
+      norms see whole (sp=False) or sequence-sharded (sp=True, Megatron-SP) activations.
+    """
+    batch_cache: dict[int, set[int]] = {}
+
+    def batch_sizes(node: fx.Node) -> set[int]:
+        key = id(node.graph)
+        if key not in batch_cache:
+            batch_cache[key] = _batch_sizes(node.graph)
+        return batch_cache[key]
 
     def pin(node: fx.Node, option) -> bool:
         strategy, zero_axes = option
+        val = node.meta.get("val")
         if node.op == "placeholder" and _batch_dim_ok(node):
             pl = strategy.output.placements
             return all(pl[a] == Shard(0) for a in data_axes) and all(isinstance(pl[a], Replicate) for a in tp_axes)
@@ -105,10 +127,25 @@ def _pin(data_axes: Sequence[int], tp_axes: Sequence[int], zero3: bool, sp: bool
             pl = strategy.output.placements
             if zero_axes:
                 return False
+            if tp_axes and val.dim() >= 2 and not all(isinstance(pl[a], Shard) for a in tp_axes):
+                return False
             if zero3:
-                return all(isinstance(pl[a], Shard) for a in data_axes) or node.meta["val"].dim() == 0
+                return all(isinstance(pl[a], Shard) for a in data_axes)
             return all(isinstance(pl[a], Replicate) for a in data_axes)
-        if node.op == "call_function" and node.target in _LAYER_NORMS and sp is not None and tp_axes:
+        if node.op != "call_function":
+            return True
+        weights = [(p, l) for p, l in zip(tensor_leaves(node.args, node.kwargs, _is_tensor_node), strategy.inputs)
+                   if p.op == "get_attr" and p.meta["val"].dim() >= 2]
+        for _, layout in weights:  # weights are used whole on data axes and cut on tensor axes
+            if not all(isinstance(layout.placements[a], Replicate) for a in data_axes):
+                return False
+            if not all(isinstance(layout.placements[a], Shard) for a in tp_axes):
+                return False
+        if data_axes and isinstance(val, torch.Tensor) and val.dim() > 0 and val.shape[0] in batch_sizes(node):
+            for layout in strategy.outputs:
+                if not all(layout.placements[a] == Shard(0) or layout.has_partial for a in data_axes):
+                    return False
+        if node.target in _LAYER_NORMS and sp is not None and tp_axes:
             pl = strategy.inputs[0].placements
             want = (lambda p: p == Shard(1)) if sp else (lambda p: isinstance(p, Replicate))
             return all(want(pl[a]) for a in tp_axes)
@@ -279,8 +316,9 @@ def _to_plan(gm, best: _Solved, hw, train, budget, strategy, baseline_results, n
         if key in problem.decisions and problem.decisions[key].is_param:
             zero_axes = problem.decisions[key].options[choice[key]][1]
         op = str(node.target) if node.op == "call_function" else node.op
+        follows = problem.followers[key][0] if key in problem.followers else ""
         nodes.append(NodePlan(node.name, op, str(st), str(st.outputs[0]) if st.outputs else "",
-                              tuple(str(l) for l in st.inputs), zero_axes, key))
+                              tuple(str(l) for l in st.inputs), zero_axes, key, follows))
     p = best.prediction
     r = best.result
     return Plan(

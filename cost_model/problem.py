@@ -42,7 +42,7 @@ from .costs import TrainingSpec, activation_bytes, compute_seconds, param_state_
 from .hardware import Hardware
 from .reshard import CommStep, reshard_steps, steps_seconds
 
-__all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins"]
+__all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins", "partial_grad_axes"]
 
 # Pins restrict decisions (for baselines and user-pinned families): a function from a node to
 # a predicate on its candidate (strategy, zero) options, or None for no restriction.
@@ -211,6 +211,15 @@ def _param_options(node: fx.Node, strategies, mesh: MeshSpec) -> list[tuple[Stra
     return options
 
 
+def partial_grad_axes(st: Strategy, mesh: MeshSpec) -> tuple[int, ...]:
+    """Axes (of size > 1) where some tensor of the strategy is not replicated. There, the
+    gradient of a replicated input is partial: each device saw only its piece of the work
+    (sharded data, as in data parallelism and Megatron's column-parallel input) or only its
+    addend (a Partial operand), and it needs one all-reduce."""
+    return tuple(a for a in range(mesh.ndim) if mesh.sizes[a] > 1 and any(
+        l.codes[a] != REPLICATE_CODE for l in st.inputs + st.outputs))
+
+
 def _inputs(node: fx.Node) -> list[tuple[fx.Node, int]]:
     """(producer, output index) of each tensor input of ``node``, in strategy order."""
     if node.op != "call_function":
@@ -276,8 +285,8 @@ class _Builder:
             # Partial activations enter a decision only from contractions (S(k) x S(k) -> P) and
             # pass through followers; an op taking Partial activations (P + P -> P, P @ R -> P)
             # defers the reduction at best by one op, and pricing it would triple the edge variables.
-            # (Parameters may arrive Partial: a bias added after a row-parallel contraction.)
-            from_params = [u.op == "get_attr" for u, _ in _inputs(n)]
+            # (A bias may arrive Partial: it is added after a row-parallel contraction.)
+            from_params = [u.op == "get_attr" and u.meta["val"].dim() == 1 for u, _ in _inputs(n)]
             options = [(s, ()) for s in strategies
                        if not any(l.has_partial and not p for l, p in zip(s.inputs, from_params))]
             options = options or [(s, ()) for s in strategies]
@@ -348,14 +357,11 @@ class _Builder:
             return []
         layout = st.inputs[0]
         steps = []
-        for a in self._split_axes_of(st):
+        for a in partial_grad_axes(st, self.mesh):
             if layout.codes[a] == REPLICATE_CODE:
                 steps.append(CommStep("all_reduce", a, total * layout.local_fraction(self.mesh)))
         return steps
 
-    def _split_axes_of(self, st: Strategy) -> tuple[int, ...]:
-        return tuple(a for a in range(self.mesh.ndim) if self.mesh.sizes[a] > 1 and any(
-            l.codes[a] >= 0 for l in st.inputs + st.outputs))
 
     def add_outputs(self) -> None:
         """The model's outputs go back to the user whole: price their reshard to replicated."""
@@ -425,11 +431,10 @@ class _Builder:
         return edges, syncs
 
     def _split_axes(self, d: Decision) -> list[tuple[int, ...]]:
-        """Per option, the mesh axes (of size > 1) on which the node's work is sharded."""
+        """Per option, the axes on which the gradient of a replicated input comes back partial."""
         cached = self._split_cache.get(d.key)
         if cached is None:
-            cached = [tuple(a for a in range(self.mesh.ndim) if self.mesh.sizes[a] > 1 and any(
-                isinstance(l.placements[a], Shard) for l in st.inputs + st.outputs)) for st, _ in d.options]
+            cached = [partial_grad_axes(st, self.mesh) for st, _ in d.options]
             self._split_cache[d.key] = cached
         return cached
 

@@ -1,4 +1,6 @@
-"""What runs on the ranks: process groups, sharded parameters, collectives, schedules.
+"""What runs on the ranks: autograd-aware collectives, the parallel module, its state."""
 
-Not built yet: the runtime issue delivers lowering and ``autopar.parallelize``.
-"""
+from .collectives import COUNTER, count_bytes
+from .parallelize import ParallelModule, parallelize
+
+__all__ = ["parallelize", "ParallelModule", "count_bytes", "COUNTER"]

@@ -1,0 +1,164 @@
+"""lower: a traced graph and the strategy chosen for each node -> one rank's program.
+
+The per-rank GraphModule computes on local shards. Before each op it moves every input from
+the layout its producer left it in to the layout the op's strategy needs, with exactly the
+steps ``cost_model.reshard.transitions`` lists (so bytes sent equal bytes predicted), and
+inserts ``grad_sync`` where a replicated input feeds work sharded on an axis (its gradient is
+partial there). Size arguments of view-like ops are divided by the output's shard counts.
+Placeholders (the user's global inputs) are cut to this rank's slice; outputs are made whole.
+Printing the result shows every collective as a call to ``autopar.runtime.collectives``.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from autopar.cost_model.problem import _requires_grad, partial_grad_axes
+from autopar.cost_model.reshard import transitions
+from autopar.mesh import MeshSpec
+from autopar.runtime import collectives as C
+from autopar.strategy import REPLICATE_CODE, PARTIAL_AVG_CODE, Layout, Strategy
+
+from .rules import get_rule, has_rule, tensor_leaves
+
+__all__ = ["lower"]
+
+
+def _is_tensor_node(x: Any) -> bool:
+    return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+
+
+class _Lowering:
+    def __init__(self, gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec,
+                 groups: Sequence[C.AxisGroup], followers: set[str]):
+        self.gm, self.strategies, self.mesh = gm, strategies, mesh
+        self.groups = C.register_axes(list(groups))  # string keys: printable in the generated code
+        self.followers = followers
+        self.graph = fx.Graph()
+        self.graph._codegen = copy.deepcopy(gm.graph._codegen)  # keep the user's call convention
+        self.env: dict[str, Any] = {}
+        self.layouts: dict[str, tuple[Layout, ...]] = {}
+        self.needs = _requires_grad(gm)
+        self.synced: dict[tuple, fx.Node] = {}
+
+    def call(self, fn: Callable, *args) -> fx.Node:
+        return self.graph.call_function(fn, args)
+
+    def reshard(self, value: fx.Node, src: Layout, dst: Layout, ndim: int) -> fx.Node:
+        for t in transitions(src, dst):
+            g = self.groups[t.axis]
+            if t.kind == "all_gather":
+                value = self.call(C.all_gather, value, t.src % ndim, g)
+            elif t.kind == "slice":
+                value = self.call(C.local_slice, value, t.dst % ndim, g)
+            elif t.kind == "all_reduce":
+                value = self.call(C.all_reduce, value, t.src == PARTIAL_AVG_CODE, g)
+            elif t.kind == "reduce_scatter":
+                value = self.call(C.reduce_scatter, value, t.dst % ndim, t.src == PARTIAL_AVG_CODE, g)
+            elif t.kind == "all_to_all":
+                value = self.call(C.all_to_all, value, t.src % ndim, t.dst % ndim, g)
+            elif t.kind == "to_partial":
+                value = self.call(C.to_partial, value, t.dst == PARTIAL_AVG_CODE, g)
+        return value
+
+    def input_value(self, node: fx.Node, k: int, producer: fx.Node, strategy: Strategy) -> fx.Node:
+        src = self.layouts[producer.name][0]
+        dst = strategy.inputs[k]
+        ndim = producer.meta["val"].dim()
+        value = self.reshard(self.env[producer.name], src, dst, ndim)
+        if not self.needs.get(producer.name, False):
+            return value
+        split = partial_grad_axes(strategy, self.mesh)
+        # One gradient all-reduce per (tensor, layout, axis) among decision nodes; followers
+        # keep their own, as the cost model prices them.
+        owner = node.name if node.name in self.followers else ""
+        done: tuple[int, ...] = ()
+        for a in split:
+            if dst.codes[a] != REPLICATE_CODE:
+                continue
+            key = (producer.name, dst, done + (a,), owner)
+            if key not in self.synced:
+                self.synced[key] = self.call(C.grad_sync, value, self.groups[a])
+            value, done = self.synced[key], done + (a,)
+        return value
+
+    def localize(self, node: fx.Node, args: tuple, kwargs: dict, strategy: Strategy) -> tuple[tuple, dict]:
+        if not has_rule(node.target):
+            return args, kwargs
+        vals = pytree.tree_map(lambda x: x.meta.get("val") if isinstance(x, fx.Node) else x, (node.args, node.kwargs))
+        spec = get_rule(node.target).fn(*vals[0], **vals[1])
+        if spec.shape_arg is None or not strategy.outputs:
+            return args, kwargs
+        sizes = list(node.args[spec.shape_arg])
+        counts = strategy.outputs[0].shard_counts(self.mesh, len(sizes))
+        local = [s if s == -1 else s // c for s, c in zip(sizes, counts)]
+        return args[:spec.shape_arg] + (local,) + args[spec.shape_arg + 1:], kwargs
+
+    def run(self) -> fx.Graph:
+        for node in self.gm.graph.nodes:
+            getattr(self, f"do_{node.op}")(node)
+        return self.graph
+
+    def do_placeholder(self, node: fx.Node) -> None:
+        p = self.graph.placeholder(node.name, type_expr=node.type)
+        p.meta = dict(node.meta)
+        s = self.strategies.get(node.name)
+        if s is None:
+            self.env[node.name] = p
+            return
+        val = node.meta["val"]
+        self.env[node.name] = self.reshard(p, Layout.replicated(self.mesh.ndim), s.output, val.dim())
+        self.layouts[node.name] = s.outputs
+
+    def do_get_attr(self, node: fx.Node) -> None:
+        self.env[node.name] = self.graph.get_attr(node.target)
+        if node.name in self.strategies:
+            self.layouts[node.name] = self.strategies[node.name].outputs
+
+    def do_call_function(self, node: fx.Node) -> None:
+        if node.target is operator.getitem:
+            producer, index = node.args
+            self.env[node.name] = self.call(operator.getitem, self.env[producer.name], index)
+            self.layouts[node.name] = (self.layouts[producer.name][index],)
+            return
+        s = self.strategies[node.name]
+        inputs = iter([self.input_value(node, k, p, s)
+                       for k, p in enumerate(tensor_leaves(node.args, node.kwargs, _is_tensor_node))])
+        args, kwargs = pytree.tree_map(
+            lambda x: next(inputs) if _is_tensor_node(x) else (self.env[x.name] if isinstance(x, fx.Node) else x),
+            (node.args, node.kwargs))
+        args, kwargs = self.localize(node, tuple(args), kwargs, s)
+        out = self.graph.call_function(node.target, tuple(args), kwargs)
+        out.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
+        self.env[node.name] = out
+        self.layouts[node.name] = s.outputs
+
+    def do_call_module(self, node: fx.Node) -> None:
+        raise NotImplementedError(f"call_module {node.target} in a traced graph: trace with autopar.trace")
+
+    def do_output(self, node: fx.Node) -> None:
+        def whole(x):
+            if not isinstance(x, fx.Node):
+                return x
+            if _is_tensor_node(x) and x.name in self.layouts:
+                return self.reshard(self.env[x.name], self.layouts[x.name][0], Layout.replicated(self.mesh.ndim),
+                                    x.meta["val"].dim())
+            return self.env[x.name]
+
+        self.graph.output(pytree.tree_map(whole, node.args[0]))
+
+
+def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, groups: Sequence[C.AxisGroup],
+          root: torch.nn.Module, followers: set[str] = frozenset()) -> fx.GraphModule:
+    """The per-rank program of ``gm`` (see module doc). ``root`` holds the local parameter
+    shards under the graph's ``get_attr`` targets; ``followers`` names the nodes the planner
+    folded into their producer's decision (they keep their own gradient syncs)."""
+    graph = _Lowering(gm, strategies, mesh, groups, set(followers)).run()
+    graph.lint()
+    return fx.GraphModule(root, graph)

@@ -1,0 +1,251 @@
+"""Autograd-aware collectives over one mesh axis, and the byte counter.
+
+Each function moves a local shard in the forward and does the transposed step in the
+backward, as ``cost_model.reshard`` prices them (its table is the specification). Written by
+hand because the backward rules differ from torch's functional collectives in two places the
+cost model relies on: an all-gather's backward is a local slice (the gradient arriving is
+whole on the axis), and gradient synchronization of a replicated input is its own step
+(``grad_sync``), once per tensor and axis.
+
+Every call adds the bytes this rank sends, by the ring algorithm
+(``cost_model.comm.bytes_sent_per_rank``), to :data:`COUNTER`, per collective type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from autopar.cost_model.comm import bytes_sent_per_rank
+
+__all__ = ["AxisGroup", "register_axes", "ByteCounter", "COUNTER", "count_bytes", "all_gather", "local_slice", "all_reduce",
+           "reduce_scatter", "all_to_all", "to_partial", "grad_sync"]
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """The process group of one mesh axis as seen from this rank."""
+
+    name: str
+    group: object
+    size: int
+    rank: int  # this rank's coordinate on the axis
+
+    def __repr__(self) -> str:
+        return f"AxisGroup({self.name!r}, size={self.size}, rank={self.rank})"
+
+
+# Lowered graphs name their axes by string keys (generated code can only hold literals);
+# the keys resolve to this process's groups here.
+_GROUPS: dict[str, AxisGroup] = {}
+
+
+def register_axes(groups: list[AxisGroup]) -> list[str]:
+    """Register the groups of one mesh; returns their keys, e.g. ``mesh0/dp``."""
+    prefix = f"mesh{len({k.split('/')[0] for k in _GROUPS})}"
+    keys = []
+    for g in groups:
+        key = f"{prefix}/{g.name}"
+        _GROUPS[key] = g
+        keys.append(key)
+    return keys
+
+
+def _g(g: AxisGroup | str) -> AxisGroup:
+    return _GROUPS[g] if isinstance(g, str) else g
+
+
+class ByteCounter:
+    def __init__(self) -> None:
+        self.bytes: dict[str, float] = defaultdict(float)
+        self.enabled = True
+
+    def add(self, collective: str, nbytes: float, n: int) -> None:
+        if self.enabled:
+            self.bytes[collective] += bytes_sent_per_rank(collective, nbytes, n)
+
+    def reset(self) -> None:
+        self.bytes = defaultdict(float)
+
+
+COUNTER = ByteCounter()
+
+
+@contextlib.contextmanager
+def count_bytes() -> Iterator[dict[str, float]]:
+    """``with count_bytes() as sent:`` - bytes this rank sent per collective inside the block."""
+    before = dict(COUNTER.bytes)
+    result: dict[str, float] = {}
+    try:
+        yield result
+    finally:
+        for k, v in COUNTER.bytes.items():
+            delta = v - before.get(k, 0.0)
+            if delta:
+                result[k] = delta
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _gather(x: torch.Tensor, dim: int, g: AxisGroup) -> torch.Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(g.size)]
+    dist.all_gather(parts, x, group=g.group)
+    out = torch.cat(parts, dim=dim)
+    COUNTER.add("all_gather", _nbytes(out), g.size)
+    return out
+
+
+def _chunk(x: torch.Tensor, dim: int, g: AxisGroup) -> torch.Tensor:
+    return x.chunk(g.size, dim=dim)[g.rank].contiguous()
+
+
+def _all_reduce(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=g.group)
+    COUNTER.add("all_reduce", _nbytes(out), g.size)
+    return out
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, g):
+        ctx.dim, ctx.g = dim, g
+        return _gather(x, dim, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _chunk(grad, ctx.dim, ctx.g), None, None
+
+
+class _Slice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, g):
+        ctx.dim, ctx.g = dim, g
+        return _chunk(x, dim, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.g), None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, average, g):
+        ctx.average, ctx.g = average, g
+        out = _all_reduce(x, g)
+        return out / g.size if average else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad / ctx.g.size if ctx.average else grad), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, average, g):
+        ctx.dim, ctx.average, ctx.g = dim, average, g
+        x = x.contiguous()
+        COUNTER.add("reduce_scatter", _nbytes(x), g.size)
+        parts = [p.contiguous() for p in x.chunk(g.size, dim=dim)]
+        out = torch.empty_like(parts[g.rank])
+        dist.reduce_scatter(out, parts, group=g.group)
+        return out / g.size if average else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = _gather(grad, ctx.dim, ctx.g)
+        return (full / ctx.g.size if ctx.average else full), None, None, None
+
+
+def _a2a(x: torch.Tensor, split_dim: int, cat_dim: int, g: AxisGroup) -> torch.Tensor:
+    """Cut ``split_dim`` into n pieces, send piece j to rank j, concatenate received on ``cat_dim``."""
+    x = x.contiguous()
+    COUNTER.add("all_to_all", _nbytes(x), g.size)
+    inputs = [p.contiguous() for p in x.chunk(g.size, dim=split_dim)]
+    outputs = [torch.empty_like(inputs[0]) for _ in range(g.size)]
+    dist.all_to_all(outputs, inputs, group=g.group) if _has_list_a2a() else _a2a_single(outputs, inputs, g)
+    return torch.cat(outputs, dim=cat_dim)
+
+
+def _has_list_a2a() -> bool:
+    return False  # gloo implements all_to_all_single only; the list form is emulated below
+
+
+def _a2a_single(outputs, inputs, g: AxisGroup) -> None:
+    send = torch.cat([t.reshape(-1) for t in inputs])
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=g.group)
+    for out, piece in zip(outputs, recv.chunk(g.size)):
+        out.copy_(piece.view_as(out))
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src_dim, dst_dim, g):
+        # Cut on src_dim -> cut on dst_dim: split dst_dim, gather along src_dim.
+        ctx.src_dim, ctx.dst_dim, ctx.g = src_dim, dst_dim, g
+        return _a2a(x, dst_dim, src_dim, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _a2a(grad, ctx.src_dim, ctx.dst_dim, ctx.g), None, None, None
+
+
+class _ToPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, average, g):
+        if average or g.rank == 0:
+            return x.clone()
+        return torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GradSync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.g), None
+
+
+def all_gather(x, dim: int, g: AxisGroup | str):
+    return _AllGather.apply(x, dim, _g(g))
+
+
+def local_slice(x, dim: int, g: AxisGroup | str):
+    return _Slice.apply(x, dim, _g(g))
+
+
+def all_reduce(x, average: bool, g: AxisGroup | str):
+    return _AllReduce.apply(x, average, _g(g))
+
+
+def reduce_scatter(x, dim: int, average: bool, g: AxisGroup | str):
+    return _ReduceScatter.apply(x, dim, average, _g(g))
+
+
+def all_to_all(x, src_dim: int, dst_dim: int, g: AxisGroup | str):
+    return _AllToAll.apply(x, src_dim, dst_dim, _g(g))
+
+
+def to_partial(x, average: bool, g: AxisGroup | str):
+    return _ToPartial.apply(x, average, _g(g))
+
+
+def grad_sync(x, g: AxisGroup | str):
+    """Identity forward; all-reduce of the gradient backward (a replicated input of sharded work)."""
+    return _GradSync.apply(x, _g(g))

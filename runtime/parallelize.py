@@ -1,0 +1,236 @@
+"""autopar.parallelize: an unmodified model -> a module that trains across the ranks.
+
+Under ``torchrun`` (or any initialized default process group) every rank calls
+``parallelize(model, example_inputs=...)``. Rank 0 plans (or reads the given plan) and
+broadcasts it, so all ranks run one plan. Each rank keeps only its shards of the parameters
+(as ``nn.Parameter``, so any torch optimizer works on them) and runs the lowered program.
+
+Feeding data: pass the *global* batch on every rank (each rank cuts its own slice, for free),
+or read only the slice ``model.input_slices(global_shapes)`` names for this rank and pass
+``local_inputs=True`` to ``forward``. Outputs come back whole, as the single-device model
+returns them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from autopar.errors import AutoparError
+from autopar.mesh import MeshSpec
+from autopar.passes.annotate import STRATEGIES_KEY, annotate
+from autopar.passes.lower import lower
+from autopar.plan import Plan
+from autopar.strategy import Layout, Strategy
+from autopar.trace import trace
+
+from . import collectives as C
+
+__all__ = ["parallelize", "ParallelModule"]
+
+
+def _coords(rank: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    out = []
+    for s in reversed(sizes):
+        out.append(rank % s)
+        rank //= s
+    return tuple(reversed(out))
+
+
+def local_shard(full: torch.Tensor, layout: Layout, coords: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """This rank's piece of ``full`` in ``layout`` (a dim cut by several axes, outer axis first)."""
+    t = full
+    for code, size, c in zip(layout.codes, sizes, coords):
+        if code >= 0:
+            t = t.chunk(size, dim=code)[c]
+    return t.contiguous()
+
+
+def _shard_slices(shape: Sequence[int], layout: Layout, coords, sizes) -> tuple[slice, ...]:
+    bounds = [(0, s) for s in shape]
+    for code, size, c in zip(layout.codes, sizes, coords):
+        if code >= 0:
+            lo, hi = bounds[code]
+            step = (hi - lo) // size
+            bounds[code] = (lo + c * step, lo + (c + 1) * step)
+    return tuple(slice(lo, hi) for lo, hi in bounds)
+
+
+def _set_attr(root: nn.Module, target: str, value: Any, is_param: bool) -> None:
+    *path, name = target.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p):
+            mod.add_module(p, nn.Module())
+        mod = getattr(mod, p)
+    if is_param:
+        mod.register_parameter(name, nn.Parameter(value))
+    else:
+        mod.register_buffer(name, value)
+
+
+def _match_strategies(gm: fx.GraphModule, plan: Plan) -> dict[str, Strategy]:
+    annotate(gm, plan.mesh)
+    chosen: dict[str, Strategy] = {}
+    names = {n.name for n in gm.graph.nodes if n.meta.get(STRATEGIES_KEY)}
+    planned = {n.name: n for n in plan.nodes}
+    missing = sorted(names - set(planned))
+    if missing:
+        raise AutoparError(
+            f"the plan does not match this model: {len(missing)} graph nodes have no strategy in it "
+            f"(e.g. {', '.join(missing[:3])}); was it made for another model? Re-plan with autopar.plan")
+    for node in gm.graph.nodes:
+        if node.name not in names:
+            continue
+        options = {str(s): s for s in node.meta[STRATEGIES_KEY]}
+        want = planned[node.name].strategy
+        if want not in options:
+            raise AutoparError(f"the plan's strategy {want!r} for node {node.name} is not valid for this model "
+                               f"on mesh {plan.mesh}; was the plan made for other shapes? Re-plan with autopar.plan")
+        chosen[node.name] = options[want]
+    return chosen
+
+
+class ParallelModule(nn.Module):
+    """The per-rank module ``parallelize`` returns. ``.plan`` is the plan it runs."""
+
+    def __init__(self, program: fx.GraphModule, plan: Plan, strategies: dict[str, Strategy], gm: fx.GraphModule,
+                 device_mesh, coords: tuple[int, ...], groups: list[C.AxisGroup]):
+        super().__init__()
+        self.program = program
+        self.plan = plan
+        self._strategies = strategies
+        self._gm = gm
+        self.device_mesh = device_mesh
+        self._coords = coords
+        self._groups = groups
+        self._params = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
+        self._inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def forward(self, *args, **kwargs):
+        return self.program(*args, **kwargs)
+
+    def input_slices(self) -> list[tuple[slice, ...] | None]:
+        """Per model input, the slice of the global tensor this rank uses (None: not a tensor)."""
+        out = []
+        for n in self._inputs:
+            s = self._strategies.get(n.name)
+            out.append(None if s is None else
+                       _shard_slices(n.meta["val"].shape, s.output, self._coords, self.plan.mesh.sizes))
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded parameters and buffers (gathered on every rank, no byte counting)."""
+        C.COUNTER.enabled = False
+        try:
+            out = {}
+            for target, node in self._params.items():
+                local = self.program.get_parameter(target) if _is_param(self.program, target) \
+                    else self.program.get_buffer(target)
+                layout = self._strategies[node.name].output
+                t = local.detach()
+                for a in reversed(range(len(layout.codes))):
+                    if layout.codes[a] >= 0:
+                        t = C._gather(t, layout.codes[a], self._groups[a])
+                out[target] = t
+            return out
+        finally:
+            C.COUNTER.enabled = True
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load unsharded tensors (e.g. a single-device checkpoint): each rank keeps its shard."""
+        with torch.no_grad():
+            for target, node in self._params.items():
+                if target not in state:
+                    raise KeyError(f"state dict has no entry {target!r}")
+                layout = self._strategies[node.name].output
+                piece = local_shard(state[target], layout, self._coords, self.plan.mesh.sizes)
+                dst = self.program.get_parameter(target) if _is_param(self.program, target) \
+                    else self.program.get_buffer(target)
+                if piece.shape != dst.shape:
+                    raise ValueError(f"{target}: shape {tuple(state[target].shape)} does not fit the plan's "
+                                     f"shard {tuple(dst.shape)}")
+                dst.copy_(piece)
+
+
+def _is_param(module: nn.Module, target: str) -> bool:
+    try:
+        module.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def _broadcast_plan(plan_json: str | None) -> str:
+    box = [plan_json]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Sequence[Any] = (), *,
+                plan: Plan | str | None = None, example_kwargs: dict | None = None, device: str | None = None,
+                **plan_options) -> ParallelModule:
+    """Run ``model`` across the ranks of the default process group (see module doc)."""
+    if not dist.is_initialized():
+        raise AutoparError("autopar.parallelize needs torch.distributed: launch with torchrun "
+                           "(e.g. torchrun --nproc_per_node 4 train.py); it initializes the process group")
+    world = dist.get_world_size()
+    n = world if n_gpus is None else n_gpus
+    if n != world:
+        raise AutoparError(f"n_gpus={n} but the world size is {world}; launch {n} processes or drop n_gpus")
+    gm = trace(model, example_inputs, example_kwargs)
+    if plan is None:
+        text = None
+        if dist.get_rank() == 0:
+            from autopar.planner import plan as make_plan
+
+            text = make_plan(gm, n, model_name=type(model).__name__, **plan_options).to_json()
+        the_plan = Plan.from_json(_broadcast_plan(text))
+    else:
+        the_plan = plan if isinstance(plan, Plan) else Plan.from_json(plan)
+    if the_plan.n_devices != world:
+        raise AutoparError(f"the plan is for {the_plan.n_devices} devices but the world size is {world}; "
+                           f"re-plan with autopar.plan(model, {world}, ...)")
+    strategies = _match_strategies(gm, the_plan)
+    return _build(model, gm, the_plan, strategies, device)
+
+
+def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[str, Strategy],
+           device: str | None) -> ParallelModule:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh: MeshSpec = plan.mesh
+    device_type = device or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+    dm = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axes)
+    coords = _coords(dist.get_rank(), mesh.sizes)
+    groups = [C.AxisGroup(a, dm.get_group(a), s, c) for a, s, c in zip(mesh.axes, mesh.sizes, coords)]
+    full = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    root = nn.Module()
+    with torch.no_grad():
+        for node in gm.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            target = str(node.target)
+            is_param = target in full
+            tensor = full[target] if is_param else buffers.get(target)
+            if tensor is None:
+                tensor = functools.reduce(getattr, target.split("."), gm)
+            tensor = tensor.detach().clone()
+            if is_param:
+                dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights
+            layout = strategies[node.name].output if node.name in strategies else Layout.replicated(mesh.ndim)
+            _set_attr(root, target, local_shard(tensor, layout, coords, mesh.sizes), is_param)
+    followers = {name for name, n in plan_followers(plan).items()}
+    program = lower(gm, strategies, mesh, groups, root, followers)
+    return ParallelModule(program, plan, strategies, gm, dm, coords, groups)
+
+
+def plan_followers(plan: Plan) -> dict[str, str]:
+    """Nodes the planner folded into another node's decision (a follower adopts its producer's layout)."""
+    return {n.name: n.follows for n in plan.nodes if getattr(n, "follows", "")}
