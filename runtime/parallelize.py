@@ -69,7 +69,7 @@ def _set_attr(root: nn.Module, target: str, value: Any, is_param: bool) -> None:
             mod.add_module(p, nn.Module())
         mod = getattr(mod, p)
     if is_param:
-        mod.register_parameter(name, nn.Parameter(value))
+        mod.register_parameter(name, value if isinstance(value, nn.Parameter) else nn.Parameter(value))
     else:
         mod.register_buffer(name, value)
 
@@ -124,20 +124,36 @@ class ParallelModule(nn.Module):
                        _shard_slices(n.meta["val"].shape, s.output, self._coords, self.plan.mesh.sizes))
         return out
 
+    def _gather_full(self, local: torch.Tensor, node: fx.Node) -> torch.Tensor:
+        layout = self._strategies[node.name].output
+        t = local.detach()
+        for a in reversed(range(len(layout.codes))):  # innermost cut first keeps pieces in order
+            if layout.codes[a] >= 0:
+                t = C._gather(t, layout.codes[a], self._groups[a])
+        return t
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded parameters and buffers (gathered on every rank, no byte counting)."""
+        """The unsharded parameters and buffers, on every rank (gathers are not byte-counted)."""
         C.COUNTER.enabled = False
         try:
             out = {}
             for target, node in self._params.items():
                 local = self.program.get_parameter(target) if _is_param(self.program, target) \
                     else self.program.get_buffer(target)
-                layout = self._strategies[node.name].output
-                t = local.detach()
-                for a in reversed(range(len(layout.codes))):
-                    if layout.codes[a] >= 0:
-                        t = C._gather(t, layout.codes[a], self._groups[a])
-                out[target] = t
+                out[target] = self._gather_full(local, node)
+            return out
+        finally:
+            C.COUNTER.enabled = True
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """The unsharded gradient of every parameter (for checks against a single-device run)."""
+        C.COUNTER.enabled = False
+        try:
+            out = {}
+            for target, node in self._params.items():
+                if _is_param(self.program, target):
+                    g = self.program.get_parameter(target).grad
+                    out[target] = None if g is None else self._gather_full(g, node)
             return out
         finally:
             C.COUNTER.enabled = True
@@ -209,22 +225,32 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
     dm = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axes)
     coords = _coords(dist.get_rank(), mesh.sizes)
     groups = [C.AxisGroup(a, dm.get_group(a), s, c) for a, s, c in zip(mesh.axes, mesh.sizes, coords)]
-    full = dict(model.named_parameters())
+    full = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
     root = nn.Module()
+    shared: dict[int, tuple[str, Layout]] = {}  # tied weights: one local Parameter for all names
     with torch.no_grad():
         for node in gm.graph.nodes:
             if node.op != "get_attr":
                 continue
             target = str(node.target)
             is_param = target in full
+            layout = strategies[node.name].output if node.name in strategies else Layout.replicated(mesh.ndim)
+            if is_param and id(full[target]) in shared:
+                first, first_layout = shared[id(full[target])]
+                if first_layout != layout:
+                    raise AutoparError(f"tied parameters {first} and {target} were planned with different layouts "
+                                       f"({first_layout} vs {layout}); untie them or pin one layout")
+                _set_attr(root, target, root.get_parameter(first), True)
+                continue
+            if is_param:
+                shared[id(full[target])] = (target, layout)
             tensor = full[target] if is_param else buffers.get(target)
             if tensor is None:
                 tensor = functools.reduce(getattr, target.split("."), gm)
             tensor = tensor.detach().clone()
             if is_param:
                 dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights
-            layout = strategies[node.name].output if node.name in strategies else Layout.replicated(mesh.ndim)
             _set_attr(root, target, local_shard(tensor, layout, coords, mesh.sizes), is_param)
     followers = {name for name, n in plan_followers(plan).items()}
     program = lower(gm, strategies, mesh, groups, root, followers)
