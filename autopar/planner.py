@@ -110,6 +110,7 @@ def _pin(data_axes: Sequence[int], tp_axes: Sequence[int], zero3: bool, sp: bool
       norms see whole (sp=False) or sequence-sharded (sp=True, Megatron-SP) activations.
     """
     batch_cache: dict[int, set[int]] = {}
+    weight_positions: dict[fx.Node, list[int]] = {}
 
     def batch_sizes(node: fx.Node) -> set[int]:
         key = id(node.graph)
@@ -134,9 +135,11 @@ def _pin(data_axes: Sequence[int], tp_axes: Sequence[int], zero3: bool, sp: bool
             return all(isinstance(pl[a], Replicate) for a in data_axes)
         if node.op != "call_function":
             return True
-        weights = [(p, l) for p, l in zip(tensor_leaves(node.args, node.kwargs, _is_tensor_node), strategy.inputs)
-                   if p.op == "get_attr" and p.meta["val"].dim() >= 2]
-        for _, layout in weights:  # weights are used whole on data axes and cut on tensor axes
+        if node not in weight_positions:
+            weight_positions[node] = [k for k, p in enumerate(tensor_leaves(node.args, node.kwargs, _is_tensor_node))
+                                      if p.op == "get_attr" and p.meta["val"].dim() >= 2]
+        for layout in (strategy.inputs[k] for k in weight_positions[node]):
+            # weights are used whole on data axes and cut on tensor axes
             if not all(isinstance(layout.placements[a], Replicate) for a in data_axes):
                 return False
             if not all(isinstance(layout.placements[a], Shard) for a in tp_axes):

@@ -33,6 +33,7 @@ weight gradients, Megatron's backward all-reduce) are priced per tensor by
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -70,11 +71,16 @@ def _is_partial(code: int) -> bool:
     return code < REPLICATE_CODE
 
 
-def transitions(src: Layout, dst: Layout) -> list[Transition]:
+def transitions(src: Layout, dst: Layout) -> tuple[Transition, ...]:
     """The canonical steps from ``src`` to ``dst`` (see the module docstring)."""
-    cur, want = list(src.codes), dst.codes
+    return _transitions(src.codes, dst.codes)
+
+
+@functools.lru_cache(maxsize=65536)
+def _transitions(src_codes: tuple[int, ...], want: tuple[int, ...]) -> tuple[Transition, ...]:
+    cur = list(src_codes)
     if tuple(cur) == want:
-        return []
+        return ()
     ndim = len(cur)
     steps: list[Transition] = []
     # An axis moving its cut from dim d to dim e with no other axis cutting d or e: all-to-all.
@@ -119,8 +125,8 @@ def transitions(src: Layout, dst: Layout) -> list[Transition]:
         if _is_partial(want[a]) and cur[a] != want[a]:
             steps.append(Transition("to_partial", a, cur[a], want[a]))
             cur[a] = want[a]
-    assert tuple(cur) == want, (src, dst, steps)
-    return steps
+    assert tuple(cur) == want, (src_codes, want, steps)
+    return tuple(steps)
 
 
 def reshard_steps(src: Layout, dst: Layout, total_bytes: float, mesh: MeshSpec, needs_grad: bool = True
