@@ -23,6 +23,7 @@ decision, and the activations each strategy keeps for backward.
 from __future__ import annotations
 
 import operator
+import weakref
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -220,15 +221,36 @@ def partial_grad_axes(st: Strategy, mesh: MeshSpec) -> tuple[int, ...]:
         l.codes[a] != REPLICATE_CODE for l in st.inputs + st.outputs))
 
 
+_GRAPH_MEMO: "weakref.WeakKeyDictionary[fx.Graph, dict]" = weakref.WeakKeyDictionary()
+
+
+def _graph_memo(graph: fx.Graph, name: str, compute):
+    """Facts of a graph that do not depend on the mesh (repeated blocks, which nodes need
+    gradients), computed once however many meshes the planner prices."""
+    memo = _GRAPH_MEMO.setdefault(graph, {})
+    if name not in memo:
+        memo[name] = compute()
+    return memo[name]
+
+
+_INPUTS: "weakref.WeakKeyDictionary[fx.Node, list]" = weakref.WeakKeyDictionary()
+
+
 def _inputs(node: fx.Node) -> list[tuple[fx.Node, int]]:
-    """(producer, output index) of each tensor input of ``node``, in strategy order."""
+    """(producer, output index) of each tensor input of ``node``, in strategy order (memoized:
+    the planner prices one graph for many meshes)."""
+    hit = _INPUTS.get(node)
+    if hit is not None:
+        return hit
     if node.op != "call_function":
-        return []
-    if node.target is operator.getitem:
-        return [(node.args[0], int(node.args[1]))]
-    return [(p, 0) for p in tensor_leaves(node.args, node.kwargs,
-                                          lambda x: isinstance(x, fx.Node) and isinstance(x.meta.get("val"),
-                                                                                          torch.Tensor))]
+        hit = []
+    elif node.target is operator.getitem:
+        hit = [(node.args[0], int(node.args[1]))]
+    else:
+        hit = [(p, 0) for p in tensor_leaves(node.args, node.kwargs, lambda x: isinstance(x, fx.Node) and
+                                             isinstance(x.meta.get("val"), torch.Tensor))]
+    _INPUTS[node] = hit
+    return hit
 
 
 def _is_follower(node: fx.Node) -> bool:
@@ -241,11 +263,11 @@ class _Builder:
     def __init__(self, gm, mesh, hw, train, pins):
         self.gm, self.mesh, self.hw, self.train, self.pins = gm, mesh, hw, train, pins
         self.nodes = [n for n in gm.graph.nodes if n.meta.get(STRATEGIES_KEY)]
-        self.rep = _share_blocks(self.nodes)
+        self.rep = _graph_memo(gm.graph, "rep", lambda: _share_blocks(self.nodes))
         self.counts: dict[str, int] = defaultdict(int)
         for n in self.nodes:
             self.counts[self.rep[n.name]] += 1
-        self.needs = _requires_grad(gm)
+        self.needs = _graph_memo(gm.graph, "needs", lambda: _requires_grad(gm))
         self.params = {name for name, _ in gm.named_parameters()}
         self.decisions: dict[str, Decision] = {}
         self.followers: dict[str, tuple[str, list[Strategy]]] = {}

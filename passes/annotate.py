@@ -14,6 +14,7 @@ Writes, per node:
 from __future__ import annotations
 
 import itertools
+import weakref
 import operator
 import warnings
 from typing import Any
@@ -102,15 +103,22 @@ def node_strategies(node: fx.Node, mesh: MeshSpec, cache: dict | None = None) ->
         layouts = dict.fromkeys(s.outputs[index] for s in producer_strategies if index < len(s.outputs))
         return tuple(Strategy((l,), (l,)) for l in layouts) or None
     rule = get_rule(node.target)
-    args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
-    key = (node.target, _signature_tree(args, kwargs), mesh.sizes)  # strategies depend on sizes only
+    sig = _SIGNATURES.get(node)
+    if sig is None:
+        sig = _SIGNATURES[node] = _signature_tree(*pytree.tree_map(_val, (node.args, node.kwargs)))
+    key = (node.target, sig, mesh.sizes)  # strategies depend on mesh sizes only
     if cache is not None and key in cache:
         return cache[key]
+    args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
     ins = [tensor_info(t) for t in tensor_leaves(args, kwargs)]
     result = tuple(expand(rule.fn(*args, **kwargs), ins, [tensor_info(t) for t in outs], mesh))
     if cache is not None:
         cache[key] = result
     return result
+
+
+# Per node, its arguments' shapes and values: the planner annotates one graph for many meshes.
+_SIGNATURES: "weakref.WeakKeyDictionary[fx.Node, Any]" = weakref.WeakKeyDictionary()
 
 
 def _signature_tree(args: Any, kwargs: Any) -> Any:
