@@ -81,8 +81,9 @@ class ViT(nn.Module):
         self.ln_f = nn.LayerNorm(c.hidden, eps=c.layer_norm_eps)
         self.head = nn.Linear(c.hidden, c.num_classes)
         self.apply(_init_transformer_weights)
-        nn.init.normal_(self.pos_embed, std=0.02)
-        nn.init.normal_(self.cls_token, std=0.02)
+        if not self.pos_embed.is_meta:  # nothing to set on meta
+            nn.init.normal_(self.pos_embed, std=0.02)
+            nn.init.normal_(self.cls_token, std=0.02)
 
     def forward(self, pixel_values: Tensor, labels: Tensor | None = None) -> Tensor:
         """Class logits (b, num_classes), or the scalar loss if `labels`."""
