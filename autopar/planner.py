@@ -278,25 +278,77 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
         candidates = [(m, _outer_data_axis if m.ndim == 3 else None) for m in candidate_meshes(n_gpus, hw)]
     else:
         candidates = _family_meshes(strategy, n_gpus, hw)
+    baseline_job = _BaselineJob(gm, n_gpus, hw, train, budget, time_limit_s) if baselines and n_gpus > 1 else None
     best, n_solved, search_note = _search(gm, candidates, hw, train, budget, time_limit_s, progress)
     if best is None:
         raise AutoparError(f"no mesh could be planned for {n_gpus} devices")
 
-    baseline_results: list[BaselineResult] = []
     if baselines and n_gpus > 1:
-        for family in ("dp", "zero3", "megatron", "megatron-sp", "megatron-dp"):
-            fam_best = _search_quiet(gm, _family_meshes(family, n_gpus, hw), hw, train, budget, time_limit_s)
-            if fam_best is None:
-                baseline_results.append(BaselineResult(family, "", math.inf, math.inf, False))
-                continue
-            p = fam_best.prediction
-            baseline_results.append(BaselineResult(family, str(fam_best.mesh), p.step_seconds,
-                                                   p.peak_memory_bytes, p.peak_memory_bytes <= budget))
-            if strategy == "auto" and mesh is None and p.step_seconds < best.prediction.step_seconds:
-                best = fam_best  # a solver limit left the search short of a baseline: never lose to it
+        baseline_results = baseline_job.result()
+        for b in baseline_results:
+            if strategy == "auto" and mesh is None and b.feasible and b.step_seconds < best.prediction.step_seconds:
+                # A solver limit left the search short of a baseline: never lose to it.
+                fam_best = _search_quiet(gm, _family_meshes(b.name, n_gpus, hw), hw, train, budget, time_limit_s)
+                if fam_best is not None:
+                    best = fam_best
+    else:
+        baseline_results = []
     annotate(gm, best.mesh)  # leave the graph annotated for the chosen mesh
     return _to_plan(gm, best, hw, train, budget, strategy, baseline_results, n_gpus,
                     model_name or type(model).__name__, n_solved, time.perf_counter() - t0, search_note)
+
+
+_BASELINE_FAMILIES = ("dp", "zero3", "megatron", "megatron-sp", "megatron-dp")
+
+
+def _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) -> list[BaselineResult]:
+    out = []
+    for family in _BASELINE_FAMILIES:
+        fam_best = _search_quiet(gm, _family_meshes(family, n_gpus, hw), hw, train, budget, time_limit_s)
+        if fam_best is None:
+            out.append(BaselineResult(family, "", math.inf, math.inf, False))
+            continue
+        p = fam_best.prediction
+        out.append(BaselineResult(family, str(fam_best.mesh), p.step_seconds, p.peak_memory_bytes,
+                                  p.peak_memory_bytes <= budget))
+    return out
+
+
+_FORKED_ARGS: tuple | None = None
+
+
+def _price_baselines_in_child() -> list[BaselineResult]:
+    return _price_baselines(*_FORKED_ARGS)
+
+
+class _BaselineJob:
+    """Prices the baselines in a forked process while the parent searches (two cores, half the
+    wall time); the child inherits the traced graph instead of pickling it. Where fork is not
+    available or fails, the baselines are priced in this process when asked for."""
+
+    def __init__(self, *args):
+        global _FORKED_ARGS
+        self.args, self.pool, self.future = args, None, None
+        try:
+            import multiprocessing as mp
+
+            _FORKED_ARGS = args
+            self.pool = mp.get_context("fork").Pool(1)
+            self.future = self.pool.apply_async(_price_baselines_in_child)
+        except (ValueError, OSError):
+            self.pool = None
+        finally:
+            _FORKED_ARGS = None
+
+    def result(self) -> list[BaselineResult]:
+        if self.pool is not None:
+            try:
+                return self.future.get(timeout=600)
+            except Exception:  # a failed child: price here instead, same model, same answer
+                pass
+            finally:
+                self.pool.terminate()
+        return _price_baselines(*self.args)
 
 
 def _search_quiet(gm, meshes_and_pins, hw, train, budget, time_limit_s):
