@@ -177,7 +177,7 @@ def _share_blocks(nodes: list[fx.Node]) -> dict[str, str]:
 
 
 def _requires_grad(gm: fx.GraphModule) -> dict[str, bool]:
-    params = {name for name, _ in gm.named_parameters()}
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     needs: dict[str, bool] = {}
     for n in gm.graph.nodes:
         val = n.meta.get("val")
@@ -268,7 +268,7 @@ class _Builder:
         for n in self.nodes:
             self.counts[self.rep[n.name]] += 1
         self.needs = _graph_memo(gm.graph, "needs", lambda: _requires_grad(gm))
-        self.params = {name for name, _ in gm.named_parameters()}
+        self.params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
         self.decisions: dict[str, Decision] = {}
         self.followers: dict[str, tuple[str, list[Strategy]]] = {}
         self._reshard_cache: dict = {}
@@ -418,6 +418,8 @@ class _Builder:
         mesh = self.mesh
         edge_acc: dict[tuple, EdgeTerm] = {}
         sync_acc: dict[tuple, SyncTerm] = {}
+        edge_syncs: dict[tuple, list[tuple]] = {}  # edge key -> the sync keys it triggers
+        producers: dict[tuple, set[str]] = defaultdict(set)  # sync key -> the actual tensors behind it
         for v in self.nodes:
             vkey = self.rep[v.name]
             if vkey in self.followers:
@@ -441,16 +443,21 @@ class _Builder:
                             seconds[(a, b)] = self.reshard(a, b, total, grad)[2]
                     edge_acc[key] = EdgeTerm(ukey, vkey, producer_layouts, consumer_layouts, seconds,
                                              total_bytes=total, needs_grad=grad)
-                    if grad:  # once per edge: a repeated block's copies share the sync terms
-                        self.add_syncs(sync_acc, (self.rep[u.name], out_idx), dv, k, total)
+                    edge_syncs[key] = (self.add_syncs(sync_acc, (self.rep[u.name], out_idx), dv, k, total)
+                                       if grad else [])
+                for skey in edge_syncs[key]:
+                    producers[skey].add(f"{u.name}[{out_idx}]")
         edges = list(edge_acc.values())
         for e in edges:
             if e.count > 1:
                 e.seconds = {ab: c * e.count for ab, c in e.seconds.items()}
-        syncs = list(sync_acc.values())
-        for sync in syncs:
+        for skey, sync in sync_acc.items():
+            # One all-reduce per actual tensor: a repeated block's copies each have their own,
+            # and a block's input comes from a different producer in the first block.
+            sync.count = len(producers[skey])
+            sync.seconds *= sync.count
             sync.triggers = list(dict.fromkeys(sync.triggers))
-        return edges, syncs
+        return edges, list(sync_acc.values())
 
     def _split_axes(self, d: Decision) -> list[tuple[int, ...]]:
         """Per option, the axes on which the gradient of a replicated input comes back partial."""
@@ -460,10 +467,12 @@ class _Builder:
             self._split_cache[d.key] = cached
         return cached
 
-    def add_syncs(self, acc, tensor, dv: Decision, k: int, total: float) -> None:
-        """Gradient all-reduce: input k of dv is replicated on an axis where dv's work is sharded."""
+    def add_syncs(self, acc, tensor, dv: Decision, k: int, total: float) -> list[tuple]:
+        """Gradient all-reduce: input k of dv is replicated on an axis where dv's work is sharded.
+        Returns the sync keys; their cost per copy is multiplied out in ``edges_and_syncs``."""
         mesh = self.mesh
         split_axes = self._split_axes(dv)
+        touched: dict[tuple, None] = {}
         for i, (st, _) in enumerate(dv.options):
             layout = st.inputs[k]
             for a in split_axes[i]:
@@ -472,10 +481,11 @@ class _Builder:
                 skey = (tensor, a, layout)
                 if skey not in acc:
                     local = total * layout.local_fraction(mesh)
-                    # A shared block pays its syncs once per copy of the block.
-                    seconds = all_reduce_s(local, mesh.sizes[a], mesh.links[a]) * dv.count
-                    acc[skey] = SyncTerm(f"{tensor[0]}[{tensor[1]}]", a, seconds, [], local, dv.count)
+                    seconds = all_reduce_s(local, mesh.sizes[a], mesh.links[a])
+                    acc[skey] = SyncTerm(f"{tensor[0]}[{tensor[1]}]", a, seconds, [], local, 1)
                 acc[skey].triggers.append((dv.key, i))
+                touched[skey] = None
+        return list(touched)
 
 
 def build_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: TrainingSpec,
