@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
 from typing import Sequence
 
 __all__ = ["main"]
@@ -77,7 +76,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
         if strategies is None or (node.op == "get_attr" and not args.params):
             continue
         if args.limit and shown >= args.limit:
-            print(f"... more nodes not shown (--limit 0 shows all)")
+            print("... more nodes not shown (--limit 0 shows all)")
             break
         op = op_name(node.target) if node.op == "call_function" else node.op
         if node.meta.get(FALLBACK_KEY):

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
 from autopar.mesh import MeshSpec
 from autopar.passes.annotate import STRATEGIES_KEY
@@ -39,7 +39,7 @@ from autopar.passes.rules import tensor_leaves
 from autopar.strategy import REPLICATE_CODE, Layout, Strategy
 
 from .comm import all_reduce_s
-from .costs import TrainingSpec, activation_bytes, compute_seconds, param_state_bytes, work_split
+from .costs import TrainingSpec, activation_bytes, compute_seconds, param_state_bytes
 from .hardware import Hardware
 from .reshard import CommStep, reshard_steps, steps_seconds
 
@@ -415,7 +415,6 @@ class _Builder:
         return Problem(self.mesh, self.decisions, edges, syncs, self.rep, dict(self.counts), self.followers)
 
     def edges_and_syncs(self):
-        mesh = self.mesh
         edge_acc: dict[tuple, EdgeTerm] = {}
         sync_acc: dict[tuple, SyncTerm] = {}
         edge_syncs: dict[tuple, list[tuple]] = {}  # edge key -> the sync keys it triggers

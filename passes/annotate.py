@@ -27,7 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.mesh import MeshSpec
 from autopar.strategy import Layout, Strategy
 
-from .rules import TensorInfo, expand, get_rule, has_rule, op_name, tensor_info, tensor_leaves
+from .rules import expand, get_rule, has_rule, op_name, tensor_info, tensor_leaves
 
 __all__ = ["annotate", "node_strategies", "source_layouts", "STRATEGIES_KEY", "FALLBACK_KEY", "UnknownOpWarning"]
 

@@ -11,7 +11,6 @@ Run ``python -m autopar.passes.validate`` for a summary of passed rule x placeme
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 from dataclasses import dataclass, field

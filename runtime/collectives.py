@@ -171,15 +171,12 @@ def _a2a(x: torch.Tensor, split_dim: int, cat_dim: int, g: AxisGroup) -> torch.T
     COUNTER.add("all_to_all", _nbytes(x), g.size)
     inputs = [p.contiguous() for p in x.chunk(g.size, dim=split_dim)]
     outputs = [torch.empty_like(inputs[0]) for _ in range(g.size)]
-    dist.all_to_all(outputs, inputs, group=g.group) if _has_list_a2a() else _a2a_single(outputs, inputs, g)
+    _a2a_single(outputs, inputs, g)
     return torch.cat(outputs, dim=cat_dim)
 
 
-def _has_list_a2a() -> bool:
-    return False  # gloo implements all_to_all_single only; the list form is emulated below
-
-
 def _a2a_single(outputs, inputs, g: AxisGroup) -> None:
+    """The list form of all-to-all over all_to_all_single: gloo implements only the latter."""
     send = torch.cat([t.reshape(-1) for t in inputs])
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=g.group)
