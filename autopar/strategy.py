@@ -48,6 +48,9 @@ def placement_code(p: Placement) -> int:
     return OTHER_CODE
 
 
+_INTERNED: dict[tuple[int, ...], "Layout"] = {}
+
+
 @dataclass(frozen=True, eq=False)
 class Layout:
     """One placement per mesh axis, outermost axis first. ``str`` is e.g. ``S(0)R``."""
@@ -59,6 +62,22 @@ class Layout:
         """The placements as ints: the Shard dim, or a negative code (see ``placement_code``)."""
         return tuple(placement_code(p) for p in self.placements)
 
+    @classmethod
+    def interned(cls, placements: tuple[Placement, ...], codes: tuple[int, ...] | None = None) -> "Layout":
+        """The one shared Layout of ``placements`` (``codes`` given saves recomputing them).
+
+        The planner makes hundreds of thousands of layouts out of a few hundred distinct
+        ones; sharing them keeps each one's codes computed once."""
+        if codes is None:
+            codes = tuple(placement_code(p) for p in placements)
+        layout = _INTERNED.get(codes)
+        if layout is None:
+            layout = cls(tuple(placements))
+            layout.__dict__["codes"] = codes
+            if OTHER_CODE not in codes:  # "other" Partial ops share a code: never merge those
+                _INTERNED[codes] = layout
+        return layout
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and self.codes == other.codes
 
@@ -67,7 +86,7 @@ class Layout:
 
     @classmethod
     def replicated(cls, ndim: int) -> "Layout":
-        return cls(tuple(Replicate() for _ in range(ndim)))
+        return cls.interned(tuple(Replicate() for _ in range(ndim)))
 
     def shard_counts(self, mesh: MeshSpec, tensor_ndim: int) -> tuple[int, ...]:
         """How many pieces each tensor dim is cut into on ``mesh``."""

@@ -41,7 +41,7 @@ from autopar.strategy import REPLICATE_CODE, Layout, Strategy
 from .comm import all_reduce_s
 from .costs import TrainingSpec, activation_bytes, compute_seconds, param_state_bytes
 from .hardware import Hardware
-from .reshard import CommStep, reshard_steps, steps_seconds
+from .reshard import CommStep, reshard_seconds, reshard_steps, steps_seconds
 
 __all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins", "partial_grad_axes"]
 
@@ -271,18 +271,12 @@ class _Builder:
         self.params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
         self.decisions: dict[str, Decision] = {}
         self.followers: dict[str, tuple[str, list[Strategy]]] = {}
-        self._reshard_cache: dict = {}
         self._split_cache: dict[str, list[tuple[int, ...]]] = {}
 
     def reshard(self, a: Layout, b: Layout, total: float, grad: bool):
-        """(forward steps, backward steps, seconds) of a reshard, memoized: blocks repeat them."""
-        key = (a, b, total, grad)
-        hit = self._reshard_cache.get(key)
-        if hit is None:
-            fwd, bwd = reshard_steps(a, b, total, self.mesh, grad)
-            hit = (fwd, bwd, steps_seconds(fwd, self.mesh) + steps_seconds(bwd, self.mesh))
-            self._reshard_cache[key] = hit
-        return hit
+        """(forward steps, backward steps, seconds) of a reshard."""
+        fwd, bwd = reshard_steps(a, b, total, self.mesh, grad)
+        return fwd, bwd, reshard_seconds(a, b, total, self.mesh, grad)
 
     def tensor_bytes(self, producer: fx.Node, out_idx: int) -> float:
         val = producer.meta["val"]
@@ -351,15 +345,21 @@ class _Builder:
         count = self.counts[n.name]
         chosen_per_option: list[Strategy] = []
         cache: dict[Layout, tuple] = {}
+        own_cost: dict[Strategy, tuple[float, float]] = {}
+        grad = self.needs.get(producer.name, False)
         for i, a in enumerate(layouts):
             if a not in cache:
                 best = None
                 for st in (by_input.get(a) or strategies):
-                    fwd, bwd, comm = self.reshard(a, st.inputs[0], total, self.needs.get(producer.name, False))
-                    sec, mem = self.option_cost(n, st, (), False)
-                    if best is None or sec + comm < best[1] + best[3]:
-                        best = (st, sec, mem, comm, fwd + bwd)
-                cache[a] = best
+                    cost = own_cost.get(st)
+                    if cost is None:
+                        cost = own_cost[st] = self.option_cost(n, st, (), False)
+                    comm = reshard_seconds(a, st.inputs[0], total, self.mesh, grad)
+                    if best is None or cost[0] + comm < best[1] + best[3]:
+                        best = (st, cost[0], cost[1], comm)
+                st, sec, mem, comm = best
+                fwd, bwd = reshard_steps(a, st.inputs[0], total, self.mesh, grad)
+                cache[a] = (st, sec, mem, comm, fwd + bwd)
             st, sec, mem, comm, steps = cache[a]
             steps = list(steps) + self._follower_syncs(st, total, producer)
             comm = sum(steps_seconds([x], self.mesh) for x in steps) if steps else 0.0
@@ -439,7 +439,7 @@ class _Builder:
                     seconds = {}
                     for a in dict.fromkeys(producer_layouts):
                         for b in dict.fromkeys(consumer_layouts):
-                            seconds[(a, b)] = self.reshard(a, b, total, grad)[2]
+                            seconds[(a, b)] = reshard_seconds(a, b, total, self.mesh, grad)
                     edge_acc[key] = EdgeTerm(ukey, vkey, producer_layouts, consumer_layouts, seconds,
                                              total_bytes=total, needs_grad=grad)
                     edge_syncs[key] = (self.add_syncs(sync_acc, (self.rep[u.name], out_idx), dv, k, total)

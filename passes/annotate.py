@@ -59,7 +59,7 @@ def _outputs(node: fx.Node) -> list[torch.Tensor]:
 def source_layouts(shape: tuple[int, ...], mesh: MeshSpec) -> list[Layout]:
     """Every ``Shard``/``Replicate`` layout of a tensor of ``shape`` that divides evenly."""
     choices = [Replicate()] + [Shard(d) for d in range(len(shape))]
-    layouts = (Layout(c) for c in itertools.product(choices, repeat=mesh.ndim))
+    layouts = (Layout.interned(c) for c in itertools.product(choices, repeat=mesh.ndim))
     return [l for l in layouts if l.divides(mesh, shape)]
 
 

@@ -95,9 +95,10 @@ class DataDependent(nn.Module):
         return y
 
 
-def test_data_dependent_control_flow_names_the_line_and_the_fix():
+@pytest.mark.parametrize("stack_traces", [True, False])  # False: the planner's fast path
+def test_data_dependent_control_flow_names_the_line_and_the_fix(stack_traces):
     with pytest.raises(TraceError) as info:
-        autopar.trace(DataDependent(), (torch.randn(2, 4),))
+        autopar.trace(DataDependent(), (torch.randn(2, 4),), stack_traces=stack_traces)
     message = str(info.value)
     assert "DataDependent" in message and "depends on tensor values" in message
     assert "test_trace.py" in message and "if y.sum() > 0:" in message

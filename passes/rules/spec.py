@@ -31,7 +31,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.mesh import MeshSpec
-from autopar.strategy import Layout, Strategy
+from autopar.strategy import _INTERNED, Layout, Strategy, placement_code
 
 __all__ = ["OpSpec", "REPLICATED", "AxisOption", "TensorInfo", "axis_options", "expand", "elementwise_spec"]
 
@@ -103,10 +103,29 @@ def axis_options(spec: OpSpec, n_in: int, n_out: int) -> tuple[AxisOption, ...]:
     return tuple(dict.fromkeys(options))
 
 
+@functools.lru_cache(maxsize=4096)
+def _axis_option_codes(spec: OpSpec, n_in: int, n_out: int) -> tuple:
+    """``axis_options`` with each placement's code beside it (see ``autopar.strategy``)."""
+    return tuple((tuple((p, placement_code(p)) for p in ins), tuple((p, placement_code(p)) for p in outs))
+                 for ins, outs in axis_options(spec, n_in, n_out))
+
+
+_OK: dict = {}
+
+
 def _ok(layout: Layout, info: TensorInfo, mesh: MeshSpec) -> bool:
-    if layout.has_partial and not info.floating:
-        return False
-    return layout.divides(mesh, info.shape)
+    key = (layout.codes, info.shape, info.floating, mesh.sizes)
+    ok = _OK.get(key)
+    if ok is None:
+        if len(_OK) > 100_000:
+            _OK.clear()
+        ok = _OK[key] = not (layout.has_partial and not info.floating) and layout.divides(mesh, info.shape)
+    return ok
+
+
+def _layout(pairs) -> Layout:
+    codes = tuple([c for _, c in pairs])
+    return _INTERNED.get(codes) or Layout.interned(tuple([p for p, _ in pairs]), codes)
 
 
 def expand(spec: OpSpec, inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo],
@@ -124,11 +143,11 @@ def expand(spec: OpSpec, inputs: Sequence[TensorInfo], outputs: Sequence[TensorI
     for dims, info in zip(ins + outs, list(inputs) + list(outputs)):
         if len(dims) != len(info.shape):
             raise ValueError(f"spec {spec.einsum!r}: {dims!r} names {len(dims)} dims, tensor has shape {info.shape}")
-    per_axis = axis_options(spec, len(inputs), len(outputs))
+    per_axis = _axis_option_codes(spec, len(inputs), len(outputs))
     strategies: dict[Strategy, None] = {}
     for combo in itertools.product(per_axis, repeat=mesh.ndim):
-        in_layouts = tuple(Layout(tuple(opt[0][k] for opt in combo)) for k in range(len(inputs)))
-        out_layouts = tuple(Layout(tuple(opt[1][k] for opt in combo)) for k in range(len(outputs)))
+        in_layouts = tuple(_layout([opt[0][k] for opt in combo]) for k in range(len(inputs)))
+        out_layouts = tuple(_layout([opt[1][k] for opt in combo]) for k in range(len(outputs)))
         if all(_ok(l, i, mesh) for l, i in zip(in_layouts, inputs)) and all(
             _ok(l, i, mesh) for l, i in zip(out_layouts, outputs)
         ):
