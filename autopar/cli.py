@@ -4,6 +4,7 @@
     autopar trace MODEL [--mesh dp=2,tp=4]        trace a model and print its annotated graph
     autopar validate                              check every sharding rule against the unsharded op
     autopar plan MODEL --gpus N [...]             choose a training plan and print the report
+    autopar calibrate --out hw.json               measure this machine; plan with --hardware hw.json
 """
 
 from __future__ import annotations
@@ -123,6 +124,32 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         result.to_json(args.json)
         print(f"\nplan written to {args.json}")
+    if args.html:
+        from .html_report import write_html
+
+        write_html(result, args.html)
+        print(f"\nHTML report written to {args.html}")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import json
+
+    from .calibrate import calibrate, calibration_to_dict, format_summary
+
+    cal = calibrate(args.out, nproc=args.nproc, quick=args.quick, name=args.name, links_from=args.links_from,
+                    device=args.device, progress=not args.quiet)
+    if cal is None:  # a torchrun rank other than 0
+        return 0
+    print(format_summary(cal))
+    if args.measurements:
+        with open(args.measurements, "w", encoding="utf-8") as fh:
+            json.dump(calibration_to_dict(cal), fh, indent=1)
+        print(f"measurements written to {args.measurements}")
+    if args.out:
+        print(f"profile written to {args.out}; plan with: autopar plan MODEL --gpus N --hardware {args.out}")
+    else:
+        print(json.dumps(cal.hardware.to_json(), indent=1))
     return 0
 
 
@@ -130,7 +157,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     """The README's main job: plan the default model (gpt2 on 8 A100-80GB) and print the report."""
     ns = argparse.Namespace(model="gpt2", gpus=8, batch=None, seq=None, hardware="a100-80gb", mesh=None,
                             strategy="auto", memory_budget=None, optimizer="adamw", json=None, quiet=False,
-                            no_baselines=False)
+                            no_baselines=False, html=None)
     return _cmd_plan(ns)
 
 
@@ -162,9 +189,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default=None, help="per-device budget, e.g. 40GB (default: device memory)")
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
     p.add_argument("--json", default=None, help="write the plan as JSON to this path")
+    p.add_argument("--html", default=None, help="also write a self-contained HTML report (inline SVG plots) here")
     p.add_argument("--no-baselines", action="store_true", help="skip pricing the baselines")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(fn=_cmd_plan)
+    p = sub.add_parser("calibrate", help="measure this machine and write a hardware profile (JSON)",
+                       description="Measure matmul rate, memory bandwidth, kernel overhead and collective "
+                                   "latency/bandwidth on local ranks (or under torchrun) and write a profile "
+                                   "that `autopar plan --hardware PATH` reads.")
+    p.add_argument("--out", default=None, help="write the profile JSON here (default: print it)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local ranks to spawn when not under torchrun (default: CUDA devices, or 4 on CPU)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing windows (rougher; for tests)")
+    p.add_argument("--name", default=None, help="profile name (default calibrated-<device>)")
+    p.add_argument("--links-from", default=None, help="copy links from this profile instead of measuring "
+                                                      "(needed with --nproc 1)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="what to measure (default auto)")
+    p.add_argument("--measurements", default=None, help="also write every raw measurement as JSON here")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(fn=_cmd_calibrate)
     sub.add_parser("demo", help="the README main job").set_defaults(fn=_cmd_demo)
     return parser
 

@@ -1,0 +1,534 @@
+"""``autopar calibrate``: measure the machine and write a hardware profile for ``autopar plan``.
+
+What is measured, on every rank at once (each rank is one "device" of the profile):
+
+- ``peak_flops_fp32``: square fp32 matmuls (``n^3 * 2`` FLOPs each) for a fixed wall time.
+- ``peak_flops``: the same in bf16 where the device runs bf16 matmuls natively (CUDA with
+  ``torch.cuda.is_bf16_supported()``). On CPU the bf16 rate is measured and printed, but
+  ``peak_flops`` takes the fp32 rate: autopar's CPU runtime trains in fp32, so that is the rate
+  the compute actually runs at, whatever precision the planner assumes for its byte counts.
+- ``memory_bandwidth_bytes_per_s``: ``c = a + b`` on tensors far larger than any cache,
+  counting two reads and one write - the bytes the cost model's roofline charges an
+  elementwise op (its inputs plus its output). A plain copy is measured and printed too.
+- ``kernel_overhead_s``: time per op of back-to-back 1-element adds (dispatch and launch).
+- ``memory_bytes``: device memory (CUDA) or the machine's RAM (CPU; all local ranks share it).
+- ``intra_node`` / ``inter_node`` links: all-reduce and all-gather times over message sizes
+  from KiBs to MiBs (up to 8 MiB on CPU, 512 MiB on CUDA), fitted by least squares on
+  *relative* error (small and large messages weigh the same) to the ring formulas of
+  :mod:`autopar.cost_model.comm`::
+
+      all-reduce  t = 2(n-1)/n * S/B + 2(n-1) a      all-gather  t = (n-1)/n * S/B + (n-1) a
+
+  so those formulas, given the fitted ``B`` and ``a``, reproduce what was measured (the
+  summary prints each point's error). With one node, ``inter_node`` copies ``intra_node``:
+  nothing crossed a node boundary to measure. Under ``torchrun`` over several nodes the
+  intra-node link is fitted on each node's own ranks and the inter-node link on all ranks.
+
+``efficiency`` is written as 1.0: the cost model divides by ``efficiency * peak``, and a
+measured matmul rate or copy rate is already what dense kernels reach, so scaling it down
+again would count the same loss twice.
+
+Ranks measure concurrently because that is how they run: on a CPU box the ranks share the
+cores and the memory bus, and a rank's rate is its share. Per-rank device rates are combined
+by the median; a collective's time is the slowest rank's. ``OMP_NUM_THREADS=1`` is set for
+spawned ranks (torchrun users set it themselves).
+
+Without ``torchrun``, :func:`calibrate` spawns ``nproc`` local ranks (gloo on CPU, NCCL on
+CUDA) with :mod:`torch.multiprocessing`. One rank measures the device only; its links must
+then come from a built-in profile (``links_from``) and the summary says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .cost_model.comm import collective_s
+from .cost_model.hardware import Hardware, get_hardware
+from .errors import AutoparError
+from .mesh import Link
+
+__all__ = ["Calibration", "CalibrationError", "CollectivePoint", "DeviceMeasurements", "LinkFit",
+           "calibrate", "calibration_to_dict", "fit_link", "format_summary"]
+
+DEFAULT_CPU_RANKS = 4
+# Message sizes in bytes per rank (all-reduce: the tensor; all-gather: the gathered output).
+# CPU stops at 8 MiB: above ~16 MiB gloo's all-gather on loopback ran 2-4x slower than its
+# ring formula (4 ranks, 2 cores: 32 MiB took ~2x the all-reduce, where the ring says 1/2),
+# which would drag the fit away from the small messages a CPU-sized plan actually sends.
+_SIZES_CPU = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
+_SIZES_CPU_QUICK = (4 << 10, 256 << 10, 4 << 20)
+_SIZES_CUDA = (64 << 10, 1 << 20, 16 << 20, 128 << 20, 512 << 20)
+_SIZES_CUDA_QUICK = (64 << 10, 4 << 20, 128 << 20)
+
+
+class CalibrationError(AutoparError):
+    """Calibration could not measure or fit something; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class CollectivePoint:
+    """One measured collective: ``bytes_per_rank`` means what it means in cost_model.comm."""
+
+    collective: str
+    bytes_per_rank: int
+    n_ranks: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """A link fitted to measured collectives, and how well the ring formulas then match them."""
+
+    link: Link
+    points: tuple[CollectivePoint, ...]
+
+    def predicted_seconds(self, point: CollectivePoint) -> float:
+        return collective_s(point.collective, point.bytes_per_rank, point.n_ranks, self.link)  # type: ignore[arg-type]
+
+    def relative_errors(self) -> tuple[float, ...]:
+        """(model - measured) / measured for every point."""
+        return tuple(self.predicted_seconds(p) / p.seconds - 1 for p in self.points)
+
+    @property
+    def rms_relative_error(self) -> float:
+        errors = self.relative_errors()
+        return math.sqrt(sum(e * e for e in errors) / len(errors))
+
+    @property
+    def max_relative_error(self) -> float:
+        return max(abs(e) for e in self.relative_errors())
+
+
+@dataclass(frozen=True)
+class DeviceMeasurements:
+    """Per-device rates, the median over ranks that measured at the same time."""
+
+    device: str
+    matmul_n: int
+    matmul_fp32_flops: float
+    matmul_bf16_flops: float
+    bf16_native: bool  # bf16 matmul is a first-class path here (CUDA); on CPU it is emulated/slow
+    stream_bytes: int
+    copy_bytes_per_s: float
+    add_bytes_per_s: float
+    tiny_op_seconds: float
+    memory_bytes: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What ``calibrate`` measured, the fitted links, and the profile built from them."""
+
+    hardware: Hardware
+    device: DeviceMeasurements
+    backend: str
+    n_ranks: int
+    n_nodes: int
+    intra: LinkFit | None  # None: links copied from ``links_from``
+    inter: LinkFit | None  # None: one node (inter copies intra), or links copied
+    links_from: str | None
+    seconds: float
+
+
+# ------------------------------------------------------------------------------ fitting
+
+
+def _coefficients(p: CollectivePoint) -> tuple[float, float]:
+    """(c, d) with t = c / B + d * a for ``p``'s ring formula (cost_model.comm)."""
+    n = p.n_ranks
+    steps = 2 * (n - 1) if p.collective == "all_reduce" else n - 1
+    return steps / n * p.bytes_per_rank, float(steps)
+
+
+def fit_link(points: list[CollectivePoint] | tuple[CollectivePoint, ...], name: str) -> LinkFit:
+    """Least-squares ``B`` and ``a`` (both >= 0) minimising the relative error over ``points``.
+
+    Each point gives one row ``(c/t, d/t) . (1/B, a) = 1``. If the unconstrained optimum has a
+    negative latency, the latency-free fit is taken instead; a bandwidth is always fitted.
+    """
+    import numpy as np
+
+    points = tuple(points)
+    if not points or any(p.n_ranks < 2 or p.seconds <= 0 for p in points):
+        raise CalibrationError(f"link {name!r}: need collective times on >= 2 ranks to fit, got {points!r}")
+    rows = np.array([_coefficients(p) for p in points]) / np.array([[p.seconds] for p in points])
+    ones = np.ones(len(points))
+    inv_bw, alpha = np.linalg.lstsq(rows, ones, rcond=None)[0]
+    if inv_bw <= 0 or alpha < 0:
+        # Both one-variable fits; a latency-only fit is useless (no bandwidth), so only S/B.
+        col = rows[:, 0]
+        inv_bw, alpha = float(col @ ones / (col @ col)), 0.0
+    if not (inv_bw > 0 and math.isfinite(inv_bw)):
+        raise CalibrationError(
+            f"link {name!r}: collective times do not grow with message size, so no bandwidth can be fitted; "
+            f"measured {[(p.collective, p.bytes_per_rank, p.seconds) for p in points]}")
+    return LinkFit(Link(name, float(1.0 / inv_bw), float(alpha)), points)
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def _sync_fn(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _seconds_per_call(fn: Callable[[], Any], sync: Callable[[], None], window_s: float, batch: int = 1) -> float:
+    """Run ``fn`` in batches until ``window_s`` has passed; seconds per call (after one warm-up)."""
+    fn()
+    sync()
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        for _ in range(batch):
+            fn()
+        sync()
+        calls += batch
+        elapsed = time.perf_counter() - t0
+        if elapsed >= window_s:
+            return elapsed / calls
+
+
+def _matmul_flops(n: int, dtype: torch.dtype, device: torch.device, sync: Callable[[], None],
+                  window_s: float) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / _seconds_per_call(lambda: torch.mm(a, b), sync, window_s)
+
+
+def _stream_rates(nbytes: int, device: torch.device, sync: Callable[[], None],
+                  window_s: float) -> tuple[float, float]:
+    """(copy, add) bytes per second: a copy moves 2 x ``nbytes``, ``c = a + b`` 3 x."""
+    x = torch.ones(nbytes // 4, device=device)
+    y, z = torch.empty_like(x), torch.empty_like(x)
+    copy = 2 * nbytes / _seconds_per_call(lambda: y.copy_(x), sync, window_s)
+    add = 3 * nbytes / _seconds_per_call(lambda: torch.add(x, y, out=z), sync, window_s)
+    return copy, add
+
+
+def _measure_device(device: torch.device, quick: bool, say: Callable[[str], None]) -> dict[str, Any]:
+    """This rank's device rates (see the module docstring for what each is)."""
+    sync = _sync_fn(device)
+    cuda = device.type == "cuda"
+    window = 0.15 if quick else 0.4
+    n = (4096 if quick else 8192) if cuda else (512 if quick else 1024)
+    fp32 = _matmul_flops(n, torch.float32, device, sync, window)
+    say(f"matmul fp32 {n}^3: {fp32 / 1e9:,.1f} GFLOP/s")
+    bf16_native = cuda and torch.cuda.is_bf16_supported()
+    nb = n if bf16_native else min(n, 256)  # CPU bf16 matmul runs ~50x slower: keep it short
+    bf16 = _matmul_flops(nb, torch.bfloat16, device, sync, window)
+    say(f"matmul bf16 {nb}^3: {bf16 / 1e9:,.1f} GFLOP/s")
+    stream_bytes = (256 << 20 if quick else 1 << 30) if cuda else (16 << 20 if quick else 64 << 20)
+    copy, add = _stream_rates(stream_bytes, device, sync, window)
+    say(f"copy {copy / 1e9:,.1f} GB/s, add {add / 1e9:,.1f} GB/s ({stream_bytes >> 20} MiB tensors)")
+    one, out = torch.ones(1, device=device), torch.empty(1, device=device)
+    tiny = _seconds_per_call(lambda: torch.add(one, one, out=out), sync, window, batch=100)
+    say(f"tiny op {tiny * 1e6:.1f} us")
+    if cuda:
+        memory = float(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    return dict(device=name, matmul_n=n, matmul_fp32_flops=fp32, matmul_bf16_flops=bf16, bf16_native=bf16_native,
+                stream_bytes=stream_bytes, copy_bytes_per_s=copy, add_bytes_per_s=add, tiny_op_seconds=tiny,
+                memory_bytes=memory)
+
+
+def _time_collective(fn: Callable[[], Any], sync: Callable[[], None], group: Any, device: torch.device,
+                     quick: bool) -> float:
+    """Seconds per call of collective ``fn`` on this rank: median of trials of back-to-back calls.
+
+    Every rank must run the same number of calls, so the repeat count comes from the slowest
+    rank's warm-up time (an all-reduce MAX), not from each rank's own clock.
+    """
+    fn()
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    estimate = torch.tensor([time.perf_counter() - t0], device=device, dtype=torch.float64)
+    dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=group)
+    target_s = 0.04 if quick else 0.12
+    reps = max(2, min(200, round(target_s / max(estimate.item(), 1e-7))))
+    trials = []
+    for _ in range(2 if quick else 3):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        trials.append((time.perf_counter() - t0) / reps)
+    return statistics.median(trials)
+
+
+def _measure_collectives(group: Any, n: int, device: torch.device, quick: bool,
+                         say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """This rank's all-reduce and all-gather times over the message sizes, on ``group`` of ``n`` ranks."""
+    sync = _sync_fn(device)
+    cuda = device.type == "cuda"
+    sizes = (_SIZES_CUDA_QUICK if quick else _SIZES_CUDA) if cuda else (_SIZES_CPU_QUICK if quick else _SIZES_CPU)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    warm = torch.ones(1024, device=device)
+    for _ in range(5):  # first collectives on a group pay for set-up (buffers, connections, NCCL comms)
+        dist.all_reduce(warm, group=group)
+    sync()
+    points = []
+    for size in sizes:
+        elems = max(n, size // 4 // n * n)  # float32, divisible by n for the all-gather
+        full = torch.ones(elems, device=device)
+        shard = torch.ones(elems // n, device=device)
+        out = torch.empty(elems, device=device)
+        for name, fn in (("all_reduce", lambda: dist.all_reduce(full, group=group)),
+                         ("all_gather", lambda: gather(out, shard, group=group))):
+            seconds = _time_collective(fn, sync, group, device, quick)
+            points.append(dict(collective=name, bytes_per_rank=elems * 4, n_ranks=n, seconds=seconds))
+            say(f"{name} {n} ranks {elems * 4 / 2**20:8.3f} MiB: {seconds * 1e3:8.3f} ms")
+    return points
+
+
+def _rank_measure(rank: int, world: int, local_world: int, device: torch.device, quick: bool,
+                  t0: float, progress: bool) -> dict[str, Any] | None:
+    """Every rank's part of a calibration, in an initialised process group; rank 0 gets the result."""
+    def say(message: str) -> None:
+        if rank == 0 and progress:
+            print(f"  [calibrate {time.perf_counter() - t0:5.1f} s] {message}", file=sys.stderr, flush=True)
+
+    say(f"{world} ranks ({dist.get_backend()}), measuring the device on every rank at once")
+    dist.barrier()
+    device_rates = _measure_device(device, quick, say)
+    n_nodes = world // local_world if world > local_world and world % local_world == 0 else 1
+    if n_nodes > 1:
+        local_group, _ = dist.new_subgroups(group_size=local_world)
+        say(f"intra-node link: {n_nodes} groups of {local_world} ranks")
+        intra = _measure_collectives(local_group, local_world, device, quick, say)
+        say(f"inter-node link: all {world} ranks")
+        inter = _measure_collectives(None, world, device, quick, say)
+    else:
+        intra, inter = _measure_collectives(None, world, device, quick, say), None
+    everything: list[Any] = [None] * world
+    dist.all_gather_object(everything, (device_rates, intra, inter))
+    if rank != 0:
+        return None
+    return dict(device=_combine_device(everything), intra=_combine_points([e[1] for e in everything]),
+                inter=None if inter is None else _combine_points([e[2] for e in everything]),
+                n_ranks=world, devices_per_node=local_world, n_nodes=n_nodes)
+
+
+def _combine_device(per_rank: list[Any]) -> dict[str, Any]:
+    first = per_rank[0][0]
+    out = dict(first)
+    for key, value in first.items():
+        if isinstance(value, float):
+            out[key] = statistics.median(r[0][key] for r in per_rank)
+    out["memory_bytes"] = min(r[0]["memory_bytes"] for r in per_rank)
+    return out
+
+
+def _combine_points(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A collective ends when its slowest rank does: the max over ranks, point by point."""
+    return [dict(p, seconds=max(r[i]["seconds"] for r in per_rank)) for i, p in enumerate(per_rank[0])]
+
+
+def _spawned_rank(rank: int, world: int, init_method: str, backend: str, quick: bool, t0: float,
+                  progress: bool, result_path: str) -> None:
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    try:
+        result = _rank_measure(rank, world, world, device, quick, t0, progress)
+        if result is not None:
+            with open(result_path, "w", encoding="utf-8") as fh:
+                json.dump(result, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(nproc: int, backend: str, quick: bool, t0: float, progress: bool) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="autopar-calibrate-") as tmp:
+        result_path = os.path.join(tmp, "measured.json")
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # read by each rank's OpenMP at start-up; they share the cores
+        try:
+            mp.spawn(_spawned_rank, args=(nproc, f"tcp://127.0.0.1:{_free_port()}", backend, quick, t0, progress,
+                                            result_path),
+                     nprocs=nproc, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            last = str(exc).strip().splitlines()[-1]
+            raise CalibrationError(f"a calibration rank failed: {last}") from exc
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        with open(result_path, encoding="utf-8") as fh:
+            return json.load(fh)
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def _under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def calibrate(out: str | None = None, *, nproc: int | None = None, quick: bool = False, name: str | None = None,
+              links_from: str | None = None, device: str = "auto", progress: bool = True) -> Calibration | None:
+    """Measure this machine, write the profile to ``out`` (if given) and return the calibration.
+
+    Under ``torchrun`` every rank must call this; rank 0 gets the :class:`Calibration`, the
+    others ``None``. Otherwise ``nproc`` local ranks are spawned (default: every CUDA device,
+    or 4 on CPU). ``quick`` measures fewer sizes for shorter times (tests).
+    """
+    t0 = time.perf_counter()
+    if device not in ("auto", "cpu", "cuda"):
+        raise CalibrationError(f"device must be auto, cpu or cuda, got {device!r}")
+    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise CalibrationError("device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    backend = "nccl" if cuda else "gloo"
+    base = get_hardware(links_from) if links_from else None
+    if _under_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        dist.init_process_group(backend)
+        try:
+            measured = _rank_measure(rank, world, local_world, dev, quick, t0, progress)
+        finally:
+            dist.destroy_process_group()
+        if measured is None:
+            return None
+    else:
+        nproc = nproc if nproc is not None else (torch.cuda.device_count() if cuda else DEFAULT_CPU_RANKS)
+        if nproc < 1 or (cuda and nproc > torch.cuda.device_count()):
+            raise CalibrationError(f"--nproc {nproc}: need 1 to {torch.cuda.device_count() if cuda else 'any'} ranks")
+        if nproc == 1:
+            if base is None:
+                raise CalibrationError("one rank cannot measure a link; use --nproc 2 or more, or copy the links "
+                                       "from a built-in profile with --links-from NAME (e.g. h100-80gb)")
+            dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+            say = (lambda m: print(f"  [calibrate {time.perf_counter() - t0:5.1f} s] {m}", file=sys.stderr,
+                                   flush=True)) if progress else (lambda m: None)
+            measured = dict(device=_measure_device(dev, quick, say), intra=None, inter=None, n_ranks=1,
+                            devices_per_node=1, n_nodes=1)
+        else:
+            measured = _spawn(nproc, backend, quick, t0, progress)
+    result = _build(measured, backend, name, links_from, base, time.perf_counter() - t0)
+    if out is not None:
+        with open(out, "w", encoding="utf-8") as fh:
+            json.dump(result.hardware.to_json(), fh, indent=1)
+            fh.write("\n")
+    return result
+
+
+def _build(measured: dict[str, Any], backend: str, name: str | None, links_from: str | None,
+           base: Hardware | None, seconds: float) -> Calibration:
+    dev = DeviceMeasurements(**measured["device"])
+    link_name = f"{backend}-{'nvlink/pcie' if backend == 'nccl' else 'loopback'}-measured"
+    intra = None if base is not None else fit_link([CollectivePoint(**p) for p in measured["intra"]], link_name)
+    inter = None
+    if base is None and measured["inter"] is not None:
+        inter = fit_link([CollectivePoint(**p) for p in measured["inter"]], f"{backend}-inter-node-measured")
+    if base is not None:
+        intra_link, inter_link = base.intra_node, base.inter_node
+    else:
+        intra_link, inter_link = intra.link, (inter or intra).link
+    kind = "cpu" if dev.device == "cpu" else dev.device.lower().replace("nvidia ", "").replace(" ", "-")
+    hardware = Hardware(
+        name=name or f"calibrated-{kind}",
+        devices_per_node=int(measured["devices_per_node"]) if base is None else base.devices_per_node,
+        peak_flops=dev.matmul_bf16_flops if dev.bf16_native else dev.matmul_fp32_flops,
+        peak_flops_fp32=dev.matmul_fp32_flops,
+        memory_bandwidth_bytes_per_s=dev.add_bytes_per_s,
+        memory_bytes=dev.memory_bytes,
+        intra_node=intra_link,
+        inter_node=inter_link,
+        kernel_overhead_s=dev.tiny_op_seconds,
+        efficiency=1.0,  # measured rates already include kernel efficiency (module docstring)
+    )
+    return Calibration(hardware, dev, backend, int(measured["n_ranks"]), int(measured["n_nodes"]), intra, inter,
+                       links_from if base is not None else None, seconds)
+
+
+# ------------------------------------------------------------------------------ summary
+
+
+def _fmt_bytes(b: float) -> str:
+    return f"{b / 2**20:,.2f} MiB" if b >= 2**20 else f"{b / 2**10:,.1f} KiB"
+
+
+def _link_lines(label: str, fit: LinkFit) -> list[str]:
+    link = fit.link
+    lines = [f"{label}: {link.name}, {fit.points[0].n_ranks} ranks; fitted bandwidth B = "
+             f"{link.bandwidth_bytes_per_s / 1e9:,.3f} GB/s, latency a = {link.latency_s * 1e6:,.1f} us; "
+             f"relative error rms {fit.rms_relative_error:.0%}, max {fit.max_relative_error:.0%}",
+             f"  {'collective':12s} {'bytes/rank':>12s} {'measured':>11s} {'model':>11s} {'error':>7s}"]
+    for p, err in zip(fit.points, fit.relative_errors()):
+        lines.append(f"  {p.collective:12s} {_fmt_bytes(p.bytes_per_rank):>12s} {p.seconds * 1e3:8.3f} ms "
+                     f"{fit.predicted_seconds(p) * 1e3:8.3f} ms {err:+7.0%}")
+    return lines
+
+
+def format_summary(cal: Calibration) -> str:
+    """The table ``autopar calibrate`` prints: measured values, fitted links, fit residuals."""
+    d, hw = cal.device, cal.hardware
+    bf16_use = "-> peak_flops" if d.bf16_native else "(not used: CPU runs fp32; peak_flops = fp32 rate)"
+    rows = [
+        (f"matmul fp32 {d.matmul_n}^3", f"{d.matmul_fp32_flops / 1e9:,.2f} GFLOP/s",
+         "-> peak_flops_fp32" + ("" if d.bf16_native else ", peak_flops")),
+        ("matmul bf16", f"{d.matmul_bf16_flops / 1e9:,.2f} GFLOP/s", bf16_use),
+        (f"copy {_fmt_bytes(d.stream_bytes)}", f"{d.copy_bytes_per_s / 1e9:,.2f} GB/s", "(read + write)"),
+        ("add c = a + b", f"{d.add_bytes_per_s / 1e9:,.2f} GB/s",
+         "(2 reads + 1 write) -> memory_bandwidth_bytes_per_s"),
+        ("tiny op (1-element add)", f"{d.tiny_op_seconds * 1e6:,.2f} us", "-> kernel_overhead_s"),
+        ("memory", f"{d.memory_bytes / 2**30:,.2f} GiB", "-> memory_bytes"),
+    ]
+    lines = [
+        f"autopar calibrate: {cal.n_ranks} rank(s), {cal.backend}, {d.device}, {cal.n_nodes} node(s), "
+        f"{cal.seconds:.1f} s",
+        "device (median over ranks measuring at the same time)",
+        *(f"  {label:26s} {value:>18s}  {use}" for label, value, use in rows),
+        f"  devices_per_node {hw.devices_per_node}, efficiency {hw.efficiency:g} (rates are measured)",
+    ]
+    if cal.intra is None:
+        lines.append(f"links copied from {cal.links_from!r} (not measured): intra {hw.intra_node}, "
+                     f"inter {hw.inter_node}")
+    else:
+        lines += _link_lines("intra_node", cal.intra)
+        if cal.inter is None:
+            lines.append("inter_node: same as intra_node (one node: nothing crossed a node boundary)")
+        else:
+            lines += _link_lines("inter_node", cal.inter)
+    return "\n".join(lines)
+
+
+def calibration_to_dict(cal: Calibration) -> dict[str, Any]:
+    """Everything measured, for a ``--measurements`` file (not a profile: Hardware rejects extra keys)."""
+    return {"hardware": cal.hardware.to_json(), "device": asdict(cal.device), "backend": cal.backend,
+            "n_ranks": cal.n_ranks, "n_nodes": cal.n_nodes, "seconds": cal.seconds, "links_from": cal.links_from,
+            "intra": None if cal.intra is None else [asdict(p) for p in cal.intra.points],
+            "inter": None if cal.inter is None else [asdict(p) for p in cal.inter.points]}

@@ -1,0 +1,90 @@
+"""autopar calibrate: the alpha-beta fit recovers known links, a real 2-rank gloo calibration
+writes a profile the planner reads, and bad profiles fail with one clear line."""
+
+import json
+import math
+
+import pytest
+
+from autopar.calibrate import CalibrationError, CollectivePoint, calibrate, fit_link
+from autopar.cli import main
+from autopar.cost_model.comm import collective_s
+from autopar.cost_model.hardware import PROFILES, get_hardware
+from autopar.mesh import Link
+
+# On a shared 2-core machine gloo's collectives are neither pure rings nor quiet: measured
+# times scatter by tens of percent around the alpha-beta line (the summary prints each
+# point). The fitted formulas must still land within this factor of every measured point.
+MEASURED_FIT_FACTOR = 3.0
+
+
+def _points(link: Link, n_ranks: int) -> list[CollectivePoint]:
+    return [CollectivePoint(c, size, n_ranks, collective_s(c, size, n_ranks, link))
+            for c in ("all_reduce", "all_gather") for size in (4 << 10, 256 << 10, 4 << 20, 32 << 20)]
+
+
+@pytest.mark.parametrize("n_ranks", [2, 4, 8])
+def test_fit_recovers_the_link_that_generated_the_times(n_ranks):
+    truth = Link("x", 1.7e9, 230e-6)
+    fit = fit_link(_points(truth, n_ranks), "fitted")
+    assert fit.link.bandwidth_bytes_per_s == pytest.approx(truth.bandwidth_bytes_per_s, rel=1e-9)
+    assert fit.link.latency_s == pytest.approx(truth.latency_s, rel=1e-9)
+    assert fit.max_relative_error < 1e-9
+
+
+def test_fit_never_returns_a_negative_latency():
+    # Times below the bandwidth line at small sizes would need a < 0; the fit drops latency instead.
+    points = [CollectivePoint("all_reduce", s, 2, s / 1e9 * (0.5 if s < 2**20 else 1.0))
+              for s in (4 << 10, 64 << 10, 4 << 20, 16 << 20)]
+    fit = fit_link(points, "fitted")
+    assert fit.link.latency_s == 0.0 and fit.link.bandwidth_bytes_per_s > 0
+
+
+def test_one_rank_needs_links_from_and_then_copies_them(tmp_path):
+    with pytest.raises(CalibrationError, match="--links-from"):
+        calibrate(nproc=1, quick=True, progress=False)
+    out = tmp_path / "one.json"
+    cal = calibrate(str(out), nproc=1, quick=True, links_from="cpu", progress=False)
+    hw = get_hardware(str(out))
+    assert hw == cal.hardware
+    assert (hw.intra_node, hw.inter_node) == (PROFILES["cpu"].intra_node, PROFILES["cpu"].inter_node)
+    assert hw.peak_flops_fp32 > 1e8 and hw.kernel_overhead_s > 0
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_calibrate_a_profile_that_plans(tmp_path, capsys, report_line):
+    path = tmp_path / "hw.json"
+    cal = calibrate(str(path), nproc=2, quick=True, progress=False)
+    hw = get_hardware(str(path))
+    assert hw == cal.hardware and hw.devices_per_node == 2 and hw.efficiency == 1.0
+    for field in ("peak_flops", "peak_flops_fp32", "memory_bandwidth_bytes_per_s", "memory_bytes",
+                  "kernel_overhead_s"):
+        value = getattr(hw, field)
+        assert math.isfinite(value) and value > 0, field
+    link = hw.intra_node
+    assert hw.inter_node == link and math.isfinite(link.bandwidth_bytes_per_s) and link.latency_s >= 0
+    # The profile's link, put through cost_model.comm's formulas, reproduces the measurements.
+    assert {p.collective for p in cal.intra.points} == {"all_reduce", "all_gather"}
+    for p in cal.intra.points:
+        model_s = collective_s(p.collective, p.bytes_per_rank, p.n_ranks, link)
+        assert model_s == pytest.approx(cal.intra.predicted_seconds(p), rel=1e-12)
+        assert 1 / MEASURED_FIT_FACTOR < model_s / p.seconds < MEASURED_FIT_FACTOR, p
+    report_line(f"calibrate (2 gloo ranks, quick): {link}, fit rms error {cal.intra.rms_relative_error:.0%}, "
+                f"fp32 {hw.peak_flops_fp32 / 1e9:.1f} GFLOP/s, {cal.seconds:.0f} s")
+
+    capsys.readouterr()
+    assert main(["plan", "mlp", "--gpus", "2", "--hardware", str(path), "--quiet", "--no-baselines"]) == 0
+    assert f"2 x {hw.name}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "cannot read hardware profile"),
+    (json.dumps({"name": "half", "devices_per_node": 8}), "missing peak_flops"),
+    (json.dumps({**PROFILES["cpu"].to_json(), "peak_flops": -1.0}), "peak_flops must be a positive number"),
+])
+def test_malformed_profile_is_a_one_line_error(tmp_path, capsys, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    assert main(["plan", "mlp", "--gpus", "2", "--hardware", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("autopar: error:") and message in err[0], err

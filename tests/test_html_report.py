@@ -1,0 +1,133 @@
+"""The HTML report is one well-formed, self-contained page that shows the plan's numbers
+and draws its plots as inline SVG (checked without a browser)."""
+
+import dataclasses
+import re
+from html.parser import HTMLParser
+
+import pytest
+
+from autopar.cli import main
+from autopar.html_report import render_html
+from autopar.models import get_model
+from autopar.plan import Plan
+from autopar.planner import plan
+from autopar.report import _block_rows, _gib, _ms
+
+_VOID = {"meta", "br", "img", "input", "link", "hr", "col", "wbr", "source", "area", "base"}
+
+
+class _Checker(HTMLParser):
+    """Records tags, attributes and text; fails on an end tag that does not close the open one."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.stack, self.tags, self.attrs, self.text, self.errors = [], [], [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        self.attrs += attrs
+        if tag not in _VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag, attrs):
+        self.tags.append(tag)
+        self.attrs += attrs
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
+        else:
+            self.stack.pop()
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def _parse(page: str) -> _Checker:
+    checker = _Checker()
+    checker.feed(page)
+    checker.close()
+    assert not checker.errors and not checker.stack, (checker.errors, checker.stack)
+    return checker
+
+
+@pytest.fixture(scope="module")
+def tiny_plan() -> Plan:
+    # batch 256: big enough that the plan shards over two mesh axes and communicates
+    model, inputs = get_model("gpt-tiny", batch_size=256, device="meta")
+    p = plan(model, 4, inputs, model_name="gpt-tiny")
+    assert p.comm_seconds > 0 and len(p.mesh.axes) >= 1 and p.baselines
+    return p
+
+
+def test_page_is_well_formed_and_self_contained(tiny_plan):
+    page = render_html(tiny_plan)
+    checker = _parse(page)
+    assert checker.tags[:1] == ["html"] and page.startswith("<!DOCTYPE html>")
+    assert "script" not in checker.tags and "link" not in checker.tags and "img" not in checker.tags
+    urls = [v for k, v in checker.attrs if k in ("src", "href", "xlink:href", "action") and v]
+    assert urls == []
+    assert not re.search(r"https?:|url\(|@import|//[a-z]", page, re.IGNORECASE)
+    ids = {v for k, v in checker.attrs if k == "id"}
+    assert {"time-chart", "memory-chart", "mesh-diagram", "mesh-table", "layout-table", "baseline-table"} <= ids
+    assert checker.tags.count("svg") == 3
+
+
+def test_page_shows_the_plans_numbers(tiny_plan):
+    p = tiny_plan
+    text = " ".join(_parse(render_html(p)).text)
+    for figure in (_ms(p.step_seconds), _ms(p.compute_seconds), _ms(p.comm_seconds),
+                   _gib(p.peak_memory_bytes_per_device), _gib(p.param_state_bytes), _gib(p.activation_bytes),
+                   _gib(p.memory_budget_bytes), f"{p.solver.n_variables:,}", f"{p.solver.n_constraints:,}",
+                   f"{p.solver.gap * 100:.2f}%", p.solver.status, p.hardware, p.model):
+        assert figure in text, figure
+    for collective, nbytes in p.comm_bytes.items():
+        assert f"{collective}" in text and f"{nbytes / 2**20:,.1f} MiB" in text
+    for axis, link in zip(p.mesh.axes, p.mesh.links):
+        assert axis in text and link.name in text
+    for b in p.baselines:
+        assert b.name in text and _ms(b.step_seconds) in text and _gib(b.peak_memory_bytes_per_device) in text
+    for name, op, _ in _block_rows(p):
+        assert name in text and op in text
+
+
+def test_charts_draw_the_plans_split_and_only_baseline_totals(tiny_plan):
+    p = tiny_plan
+    page = render_html(p)
+    time_svg = page[page.index('<svg id="time-chart"'):]
+    time_svg = time_svg[:time_svg.index("</svg>")]
+    titles = re.findall(r"<title>([^<]*)</title>", time_svg)
+    assert f"compute: {p.compute_seconds * 1e3:.4g} ms" in titles
+    assert f"communication: {p.comm_seconds * 1e3:.4g} ms" in titles
+    assert any(t.startswith("bubble") for t in titles)
+    # Baselines carry totals only: one bar each, labelled as a total, never an invented split.
+    assert sum(t.startswith("baseline total") for t in titles) == len(p.baselines)
+    widths = {t.split(":")[0]: float(w) for w, t in
+              re.findall(r'width="([0-9.]+)" height="\d+" fill="#[0-9a-f]+"[^>]*><title>([^<]*)</title>', time_svg)}
+    assert widths["compute"] / widths["communication"] == pytest.approx(p.compute_seconds / p.comm_seconds, rel=0.02)
+
+
+def test_text_is_escaped(tiny_plan):
+    evil = '<script>alert("x")</script> & co'
+    page = render_html(dataclasses.replace(tiny_plan, model=evil))
+    assert evil not in page and "<script" not in page
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt; &amp; co" in page
+    _parse(page)
+
+
+def test_plan_read_back_from_json_renders(tiny_plan, tmp_path):
+    path = tmp_path / "plan.json"
+    tiny_plan.to_json(str(path))
+    page = render_html(Plan.from_json(str(path)))
+    assert _ms(tiny_plan.step_seconds) in page
+    _parse(page)
+
+
+def test_cli_plan_writes_html(tmp_path, capsys):
+    out = tmp_path / "report.html"
+    assert main(["plan", "mlp", "--gpus", "4", "--html", str(out), "--quiet", "--no-baselines"]) == 0
+    assert f"HTML report written to {out}" in capsys.readouterr().out
+    page = out.read_text(encoding="utf-8")
+    checker = _parse(page)
+    assert "mlp" in " ".join(checker.text) and "Baselines were not priced" in page
