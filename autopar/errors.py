@@ -11,3 +11,11 @@ class AutoparError(Exception):
 
 class TraceError(AutoparError):
     """The model could not be traced into a graph."""
+
+
+def format_bytes(n: float) -> str:
+    """``1.50 GiB``, ``12.3 MiB``, ``840.0 KiB`` or ``96 B``: messages stay readable at any size."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"

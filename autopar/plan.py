@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import AutoparError
+from .errors import AutoparError, format_bytes
 from .mesh import Link, MeshSpec
 
 __all__ = ["Plan", "NodePlan", "SolverStats", "BaselineResult", "PlanFormatError", "PLAN_FORMAT_VERSION"]
@@ -82,6 +82,9 @@ class Plan:
     solver: SolverStats
     baselines: tuple[BaselineResult, ...]
     nodes: tuple[NodePlan, ...]
+    # Digest of the traced graph's ops and shapes (``autopar.trace.graph_fingerprint``):
+    # parallelize refuses a plan made for another model or other input shapes.
+    graph_fingerprint: str = ""
     # The priced problem and the choice, kept in memory for explain(); not serialized.
     _problem: Any = field(default=None, repr=False, compare=False)
     _choice: Any = field(default=None, repr=False, compare=False)
@@ -102,6 +105,7 @@ class Plan:
         return {
             "format_version": PLAN_FORMAT_VERSION,
             "model": self.model,
+            "graph_fingerprint": self.graph_fingerprint,
             "n_devices": self.n_devices,
             "mesh": {"axes": dict(zip(self.mesh.axes, self.mesh.sizes)),
                      "links": [{"name": l.name, "bandwidth_bytes_per_s": l.bandwidth_bytes_per_s,
@@ -185,6 +189,7 @@ class Plan:
             nodes=tuple(NodePlan(n["name"], n["op"], n["strategy"], n["output_layout"],
                                  tuple(n.get("input_layouts", ())), tuple(n.get("zero_axes", ())),
                                  n.get("shares_with", ""), n.get("follows", "")) for n in d["nodes"]),
+            graph_fingerprint=str(d.get("graph_fingerprint", "")),
         )
 
     # --- explain and diff ----------------------------------------------------------------
@@ -218,13 +223,13 @@ class Plan:
             alt = evaluate(problem, {**choice, key: i})
             alternatives.append((alt.step_seconds, alt.peak_memory_bytes, st, zero))
         alternatives.sort(key=lambda t: t[0])
-        lines.append(f"  chosen: step {base.step_seconds * 1e3:.3f} ms, peak {base.peak_memory_bytes / 2**30:.2f} GiB"
+        lines.append(f"  chosen: step {base.step_seconds * 1e3:.3f} ms, peak {format_bytes(base.peak_memory_bytes)}"
                      f" ({len(d.options)} options for {key})")
         for step, mem, st, zero in alternatives[:top]:
             fits = "" if mem <= self.memory_budget_bytes else ", over budget"
             z = f" zero on {zero}" if zero else ""
             lines.append(f"  alternative {st}{z}: step {step * 1e3:.3f} ms "
-                         f"({(step / base.step_seconds - 1) * 100:+.1f}%), peak {mem / 2**30:.2f} GiB{fits}")
+                         f"({(step / base.step_seconds - 1) * 100:+.1f}%), peak {format_bytes(mem)}{fits}")
         return "\n".join(lines)
 
     def diff(self, other: "Plan") -> str:

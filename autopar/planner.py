@@ -7,7 +7,7 @@
 3. Solve the ILP on meshes in order of their bound, stopping once the next bound is no better
    than the best plan found: the mesh search is exact. The LP relaxation is usually integral
    (then it is the ILP optimum and no branching is needed).
-4. Price the baselines users would pick instead (DDP, FSDP/ZeRO-3, Megatron TP with and without
+4. Price the baselines users would pick instead (DDP, ZeRO-2, FSDP/ZeRO-3, Megatron TP with and without
    sequence parallelism, Megatron TP x DP) with the same model: each is the same ILP with the
    family's layouts pinned. The chosen plan is never predicted slower than a feasible baseline:
    if one were (a solver time limit hit), the baseline's assignment is taken.
@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -30,18 +31,18 @@ from .cost_model.costs import TrainingSpec
 from .cost_model.evaluate import Prediction, evaluate
 from .cost_model.hardware import Hardware, get_hardware
 from .cost_model.ilp import InfeasibleBudgetError, SolveResult, solve
-from .cost_model.problem import Problem, build_problem
-from .errors import AutoparError
+from .cost_model.problem import PinError, Problem, build_problem
+from .errors import AutoparError, format_bytes
 from .mesh import MeshSpec
 from .passes.annotate import annotate
 from .passes.rules import tensor_leaves
 from .plan import BaselineResult, NodePlan, Plan, SolverStats
-from .trace import trace
+from .trace import graph_fingerprint, trace
 
 __all__ = ["plan", "STRATEGY_FAMILIES", "candidate_meshes"]
 
 aten = torch.ops.aten
-STRATEGY_FAMILIES = ("auto", "dp", "zero3", "megatron", "megatron-sp", "megatron-dp")
+STRATEGY_FAMILIES = ("auto", "dp", "zero2", "zero3", "megatron", "megatron-sp", "megatron-dp")
 _LAYER_NORMS = {aten.layer_norm.default, aten.rms_norm.default}
 
 
@@ -99,12 +100,13 @@ def _batch_sizes(graph: fx.Graph) -> set[int]:
     return {int(n.meta["val"].shape[0]) for n in graph.nodes if n.op == "placeholder" and _batch_dim_ok(n)}
 
 
-def _pin(data_axes: Sequence[int], tp_axes: Sequence[int], zero3: bool, sp: bool | None) -> Pin:
+def _pin(data_axes: Sequence[int], tp_axes: Sequence[int], zero3: bool, sp: bool | None, zero2: bool = False) -> Pin:
     """What a classic family means, as restrictions on each node's options:
 
     * data axes: inputs batch-sharded; every activation whose leading dim is the batch stays
       batch-sharded (or partial, as a loss is) - no gathering the batch; parameters replicated
-      (ZeRO-3: stored sharded, gathered for use); no ZeRO-2 (the baselines are DDP and FSDP);
+      (ZeRO-3: stored sharded, gathered for use); gradients and optimizer state split over the
+      data axes with ``zero2`` (DeepSpeed ZeRO-2), else whole (DDP, FSDP);
     * tensor axes: inputs whole; every weight matrix sharded (column or row parallel); layer
       norms see whole (sp=False) or sequence-sharded (sp=True, Megatron-SP) activations.
     """
@@ -125,6 +127,8 @@ def _pin(data_axes: Sequence[int], tp_axes: Sequence[int], zero3: bool, sp: bool
             return all(pl[a] == Shard(0) for a in data_axes) and all(isinstance(pl[a], Replicate) for a in tp_axes)
         if node.op == "get_attr":
             pl = strategy.output.placements
+            if zero2:
+                return set(data_axes) <= set(zero_axes) and all(isinstance(pl[a], Replicate) for a in data_axes)
             if zero_axes:
                 return False
             if tp_axes and val.dim() >= 2 and not all(isinstance(pl[a], Shard) for a in tp_axes):
@@ -159,6 +163,8 @@ def _pin(data_axes: Sequence[int], tp_axes: Sequence[int], zero3: bool, sp: bool
 def _family_meshes(family: str, n: int, hw: Hardware) -> list[tuple[MeshSpec, Pin]]:
     if family == "dp":
         return [(hw.mesh_spec(("dp",), (n,)), _pin([0], [], False, None))]
+    if family == "zero2":
+        return [(hw.mesh_spec(("dp",), (n,)), _pin([0], [], False, None, zero2=True))]
     if family == "zero3":
         return [(hw.mesh_spec(("dp",), (n,)), _pin([0], [], True, None))]
     if family == "megatron":
@@ -274,8 +280,8 @@ def _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_
             best = s
     if best is None and math.isfinite(infeasible_need):
         raise InfeasibleBudgetError(
-            f"no plan fits the memory budget of {budget / 2**30:.2f} GiB per device: the smallest any plan needs "
-            f"is {infeasible_need / 2**30:.2f} GiB; raise --memory-budget to at least that, use more devices, "
+            f"no plan fits the memory budget of {format_bytes(budget)} per device: the smallest any plan needs "
+            f"is {format_bytes(infeasible_need)}; raise --memory-budget to at least that, use more devices, "
             f"or shrink the batch or sequence", infeasible_need)
     return best, solved, note
 
@@ -296,7 +302,10 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
     if strategy not in STRATEGY_FAMILIES:
         raise AutoparError(f"unknown strategy {strategy!r}; pick one of {', '.join(STRATEGY_FAMILIES)}")
-    train = TrainingSpec(optimizer, hw.name != "cpu" if mixed_precision is None else mixed_precision)
+    # bf16 mixed precision by default where low-precision math is faster (GPUs), fp32 where it
+    # is not (CPUs, a calibrated CPU profile included)
+    default_mp = hw.peak_flops > 1.5 * hw.peak_flops_fp32
+    train = TrainingSpec(optimizer, default_mp if mixed_precision is None else mixed_precision)
     budget = float(memory_budget_bytes) if memory_budget_bytes is not None else float(hw.memory_bytes)
     gm = model if isinstance(model, fx.GraphModule) else trace(model, example_inputs, example_kwargs,
                                                                  stack_traces=False)
@@ -340,7 +349,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
                     model_name or type(model).__name__, n_solved, time.perf_counter() - t0, search_note)
 
 
-_BASELINE_FAMILIES = ("dp", "zero3", "megatron", "megatron-sp", "megatron-dp")
+_BASELINE_FAMILIES = ("dp", "zero2", "zero3", "megatron", "megatron-sp", "megatron-dp")
 
 
 def _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) -> list[BaselineResult]:
@@ -373,6 +382,14 @@ def _helper_work(with_baselines: bool) -> tuple[list[_Bound], float, list[Baseli
     return bounds, need, baselines
 
 
+def _fork_is_safe() -> bool:
+    """Fork only a plain process: under torch.distributed (parallelize plans on rank 0) the
+    process runs communication threads whose locks a forked child would inherit held."""
+    import torch.distributed as dist
+
+    return hasattr(os, "fork") and not (dist.is_available() and dist.is_initialized())
+
+
 class _Helper:
     """A forked process that shares the search on this 2-core machine: it bounds part of the
     candidate meshes and prices the baselines while this process bounds the rest. It inherits
@@ -388,16 +405,18 @@ class _Helper:
         self.pool = self.future = None
         self._bounds = self._baselines = None
         items = [(i, meshes_and_pins[i]) for i in sorted(self.indices)]
-        try:
-            import multiprocessing as mp
+        if _fork_is_safe():
+            try:
+                import concurrent.futures as cf
+                import multiprocessing as mp
 
-            _FORKED = (gm, items, hw, train, budget, time_limit_s, progress, n_gpus)
-            self.pool = mp.get_context("fork").Pool(1)
-            self.future = self.pool.apply_async(_helper_work, (baselines,))
-        except (ValueError, OSError):
-            self.pool = None
-        finally:
-            _FORKED = None
+                _FORKED = (gm, items, hw, train, budget, time_limit_s, progress, n_gpus)
+                self.pool = cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork"))
+                self.future = self.pool.submit(_helper_work, baselines)
+            except (ValueError, OSError, RuntimeError):
+                self.close()
+            finally:
+                _FORKED = None
 
     @staticmethod
     def _split(meshes_and_pins, baselines: bool) -> frozenset[int]:
@@ -417,14 +436,13 @@ class _Helper:
         if self._bounds is not None:
             return
         if self.pool is not None:
-            try:
-                self._bounds, self._need, self._baselines = self.future.get(timeout=3600)
+            try:  # a child that dies raises BrokenProcessPool here, never hangs
+                self._bounds, self._need, self._baselines = self.future.result()
                 return
             except Exception:  # a failed child: do its share here instead
                 pass
             finally:
-                self.pool.terminate()
-                self.pool = None
+                self.close()
         gm, hw, train, budget, time_limit_s, n_gpus = self.args
         items = [(i, self.meshes_and_pins[i]) for i in sorted(self.indices)]
         self._bounds, self._need = _bounds(gm, items, hw, train, budget, time_limit_s, False)
@@ -433,7 +451,10 @@ class _Helper:
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.terminate()
+            procs = list((getattr(self.pool, "_processes", None) or {}).values())
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            for proc in procs:
+                proc.terminate()  # a search that failed here need not wait for the child
             self.pool = None
 
     def bounds(self) -> tuple[list[_Bound], float]:
@@ -448,7 +469,7 @@ class _Helper:
 def _search_quiet(gm, meshes_and_pins, hw, train, budget, time_limit_s):
     try:  # a baseline family takes its best mesh by LP bound: one ILP per family
         return _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, False, max_ilps=1)[0]
-    except InfeasibleBudgetError:
+    except (InfeasibleBudgetError, PinError):  # over budget, or the family does not apply
         return None
 
 
@@ -477,5 +498,6 @@ def _to_plan(gm, best: _Solved, hw, train, budget, strategy, baseline_results, n
         param_state_bytes=p.param_state_bytes, activation_bytes=p.activation_bytes, comm_bytes=p.comm_bytes,
         solver=SolverStats(r.solver, r.status, r.seconds, r.objective_s, r.lower_bound_s, r.n_variables,
                            r.n_constraints, n_solved, seconds, search_note),
-        baselines=tuple(baseline_results), nodes=tuple(nodes), _problem=problem, _choice=dict(choice),
+        baselines=tuple(baseline_results), nodes=tuple(nodes), graph_fingerprint=graph_fingerprint(gm),
+        _problem=problem, _choice=dict(choice),
     )

@@ -12,6 +12,7 @@ fix, with export's own message below it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import traceback
@@ -23,7 +24,7 @@ from torch import nn
 
 from .errors import TraceError
 
-__all__ = ["trace", "TraceError"]
+__all__ = ["trace", "TraceError", "graph_fingerprint"]
 
 # Nodes export adds to guard the traced assumptions; they compute nothing the plan needs.
 _GUARD_TARGETS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
@@ -52,6 +53,19 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[
     gm = exported.module()
     _drop_guards(gm)
     return gm
+
+
+def graph_fingerprint(gm: fx.GraphModule) -> str:
+    """A short digest of the graph's nodes (name, op, target, shape, dtype), in order: two traces
+    of the same model with inputs of the same shapes agree; another model, another size or
+    another batch shape does not."""
+    h = hashlib.sha256()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        shape = (tuple(val.shape), str(val.dtype)) if isinstance(val, torch.Tensor) else None
+        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        h.update(f"{node.name}|{node.op}|{target}|{shape}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def _drop_guards(gm: fx.GraphModule) -> None:

@@ -58,6 +58,8 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
         for step in fwd + bwd:
             sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * e.count
     for g in problem.syncs:
+        if g.param and g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
+            continue  # ZeRO-2 reduce-scatters this gradient (its steps are the parameter's)
         if any(choice[k] == i for k, i in g.triggers):
             comm_s += g.seconds
             sent["all_reduce"] += bytes_sent_per_rank("all_reduce", g.nbytes, mesh.sizes[g.axis]) * g.count

@@ -17,8 +17,10 @@ Constraints, each added by the function named:
 * ``one_option``     (:func:`_add_decisions`): sum_i x_{d,i} = 1 for every decision d;
 * ``edge_out``/``edge_in`` (:func:`_add_edges`): sum_b e_{t,a,b} = sum_{i: out(i)=a} x_{u,i} and
   sum_a e_{t,a,b} = sum_{i: in(i)=b} x_{v,i}: the edge's layout pair agrees with both ends;
-* ``sync``           (:func:`_add_syncs`): z_g >= sum_{i in T_{g,d}} x_{d,i} for every decision d,
-  T_{g,d} its options that make the gradient partial;
+* ``sync``           (:func:`_add_syncs`): z_g >= sum_{i in T_{g,d}} x_{d,i} - sum_{j in Z_g} x_{p,j}
+  for every decision d, T_{g,d} its options that make the gradient partial, and Z_g the ZeRO-2
+  options of the gradient's parameter p on g's axis (they reduce-scatter it instead, at their
+  own price);
 * ``memory``         (:func:`_add_memory`): sum_{d,i} M_{d,i} x_{d,i} <= budget bytes.
 
 The model is built once as a sparse matrix (:class:`_Model`) and handed to HiGHS through
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, format_bytes
 
 from .problem import Problem
 
@@ -140,8 +142,12 @@ def _add_syncs(m: _Model, problem: Problem, x) -> None:
         by_decision: dict[str, list[int]] = {}
         for key, i in sync.triggers:
             by_decision.setdefault(key, []).append(i)
+        # A ZeRO-2 option of the parameter on this axis reduce-scatters the gradient instead
+        # (priced with that option): it releases z.
+        zero = ([(x[sync.param][j], 1.0) for j, (_, axes) in enumerate(problem.decisions[sync.param].options)
+                 if sync.axis in axes] if sync.param else [])
         for key, options in by_decision.items():
-            m.row(f"sync[{sync.tensor}@{sync.axis}]", [(z, 1.0)] + [(x[key][i], -1.0) for i in options],
+            m.row(f"sync[{sync.tensor}@{sync.axis}]", [(z, 1.0)] + [(x[key][i], -1.0) for i in options] + zero,
                   0.0, float("inf"))
 
 
@@ -158,10 +164,35 @@ def min_memory_bytes(problem: Problem) -> float:
     return sum(min(d.memory_bytes) for d in problem.decisions.values())
 
 
+_BANNER_SHOWN = [False]
+
+
+def _new_highs(highspy):
+    """A Highs instance. The first one of a process prints HiGHS's banner on stdout before any
+    option can silence it; that stdout is the user's report (or their JSON), so it goes to
+    /dev/null for that moment."""
+    if _BANNER_SHOWN[0]:
+        return highspy.Highs()
+    import os
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    _BANNER_SHOWN[0] = True
+    return h
+
+
 def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False) -> tuple[str, np.ndarray | None, float, float]:
     import highspy
 
-    h = highspy.Highs()
+    h = _new_highs(highspy)
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("threads", 1)
@@ -255,8 +286,8 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     if status == "Infeasible":
         need = min_memory_bytes(problem)
         raise InfeasibleBudgetError(
-            f"no plan fits the memory budget of {memory_budget_bytes / 2**30:.2f} GiB per device: the smallest "
-            f"any plan needs is {need / 2**30:.2f} GiB (constraint 'memory' binds); raise the budget to at "
+            f"no plan fits the memory budget of {format_bytes(memory_budget_bytes)} per device: the smallest "
+            f"any plan needs is {format_bytes(need)} (constraint 'memory' binds); raise the budget to at "
             f"least that, use more devices, or shrink the batch or sequence", need)
     if values is None:
         raise AutoparError(f"the ILP solver stopped with status {status!r} before finding any plan; "

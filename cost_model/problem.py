@@ -22,9 +22,10 @@ decision, and the activations each strategy keeps for backward.
 
 from __future__ import annotations
 
+import math
 import operator
-import weakref
 import re
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
+from autopar.errors import AutoparError
 from autopar.mesh import MeshSpec
 from autopar.passes.annotate import STRATEGIES_KEY
 from autopar.passes.rules import tensor_leaves
@@ -43,7 +45,7 @@ from .costs import TrainingSpec, activation_bytes, compute_seconds, param_state_
 from .hardware import Hardware
 from .reshard import CommStep, reshard_seconds, reshard_steps, steps_seconds
 
-__all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins", "partial_grad_axes"]
+__all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins", "partial_grad_axes", "zero2_steps"]
 
 # Pins restrict decisions (for baselines and user-pinned families): a function from a node to
 # a predicate on its candidate (strategy, zero) options, or None for no restriction.
@@ -99,6 +101,9 @@ class SyncTerm:
     triggers: list[tuple[str, int]]  # (decision key, option index)
     nbytes: float = 0.0  # per-rank bytes of the all-reduce, per copy
     count: int = 1
+    # The parameter decision whose gradient this is (the tensor is the parameter or a follower
+    # of it), or "": a ZeRO-2 option of that parameter on ``axis`` reduce-scatters it instead.
+    param: str = ""
 
 
 @dataclass
@@ -176,6 +181,29 @@ def _share_blocks(nodes: list[fx.Node]) -> dict[str, str]:
     return rep
 
 
+def _share_blocks_and_ties(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[dict[str, str], frozenset[str]]:
+    """``_share_blocks``, and tied parameters (one tensor under several names, e.g. GPT-2's
+    embedding and output head): every use of a tied tensor shares the first use's decision,
+    so it has one layout, one ZeRO choice and its memory counted once. Returns the mapping and
+    the names of the later uses."""
+    rep = _share_blocks(nodes)
+    first: dict[int, str] = {}
+    tied = set()
+    for n in nodes:
+        if n.op != "get_attr":
+            continue
+        try:
+            t = gm.get_parameter(str(n.target))
+        except AttributeError:
+            continue
+        if id(t) in first and first[id(t)] != n.name:
+            rep[n.name] = rep[first[id(t)]]
+            tied.add(n.name)
+        else:
+            first.setdefault(id(t), n.name)
+    return rep, frozenset(tied)
+
+
 def _requires_grad(gm: fx.GraphModule) -> dict[str, bool]:
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     needs: dict[str, bool] = {}
@@ -221,6 +249,26 @@ def partial_grad_axes(st: Strategy, mesh: MeshSpec) -> tuple[int, ...]:
         l.codes[a] != REPLICATE_CODE for l in st.inputs + st.outputs))
 
 
+def zero2_steps(numel: int, layout: Layout, zero_axes: tuple[int, ...], mesh: MeshSpec, elem_bytes: float
+                ) -> list[CommStep]:
+    """The collectives ZeRO-2 runs for one parameter each step, as ``runtime.collectives.zero2_gather``
+    runs them: the local piece (of ``layout``) is flattened and padded to a multiple of the zero
+    axes' product; its gradient is reduce-scattered over those axes, outermost first, and the
+    updated weights are all-gathered back, innermost first. The reduce-scatter takes the place
+    of the gradient all-reduce on those axes (``SyncTerm.param``)."""
+    k = math.prod(mesh.sizes[a] for a in zero_axes)
+    local = round(numel * layout.local_fraction(mesh))
+    size = -(-local // k) * k * elem_bytes
+    steps = []
+    for a in sorted(zero_axes):
+        steps.append(CommStep("reduce_scatter", a, size))
+        size /= mesh.sizes[a]
+    for a in sorted(zero_axes, reverse=True):
+        size *= mesh.sizes[a]
+        steps.append(CommStep("all_gather", a, size))
+    return steps
+
+
 _GRAPH_MEMO: "weakref.WeakKeyDictionary[fx.Graph, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -259,14 +307,19 @@ def _is_follower(node: fx.Node) -> bool:
     return node.op == "call_function" and len(_inputs(node)) == 1
 
 
+class PinError(AutoparError):
+    """A pinned strategy family cannot be followed on this model and mesh."""
+
+
 class _Builder:
     def __init__(self, gm, mesh, hw, train, pins):
         self.gm, self.mesh, self.hw, self.train, self.pins = gm, mesh, hw, train, pins
         self.nodes = [n for n in gm.graph.nodes if n.meta.get(STRATEGIES_KEY)]
-        self.rep = _graph_memo(gm.graph, "rep", lambda: _share_blocks(self.nodes))
+        self.rep, tied = _graph_memo(gm.graph, "rep", lambda: _share_blocks_and_ties(gm, self.nodes))
         self.counts: dict[str, int] = defaultdict(int)
         for n in self.nodes:
-            self.counts[self.rep[n.name]] += 1
+            if n.name not in tied:  # a tied weight's other uses share its one copy
+                self.counts[self.rep[n.name]] += 1
         self.needs = _graph_memo(gm.graph, "needs", lambda: _requires_grad(gm))
         self.params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
         self.decisions: dict[str, Decision] = {}
@@ -307,23 +360,36 @@ class _Builder:
                        if not any(l.has_partial and not p for l, p in zip(s.inputs, from_params))]
             options = options or [(s, ()) for s in strategies]
         if self.pins is not None:
-            options = [o for o in options if self.pins(n, o)] or options
+            kept = [o for o in options if self.pins(n, o)]
+            if not kept and n.op == "placeholder":
+                raise PinError(f"the strategy family cannot be followed: input {n.name} of shape "
+                               f"{tuple(n.meta['val'].shape)} cannot take the layout it asks for on mesh {self.mesh} "
+                               f"(e.g. the batch does not divide by the data-parallel size); change the batch or "
+                               f"the mesh, or use strategy='auto'")
+            options = kept or options  # an op with no such layout (e.g. no rule) runs as it can
         count = self.counts[n.name]
         seconds, memory = [], []
         for st, zero_axes in options:
             sec, mem = self.option_cost(n, st, zero_axes, is_param)
             seconds.append(sec * count)
             memory.append(mem * count)
-        self.decisions[n.name] = Decision(n.name, n, options, seconds, memory, count, is_param)
+        d = self.decisions[n.name] = Decision(n.name, n, options, seconds, memory, count, is_param)
+        for i, (st, zero_axes) in enumerate(options):
+            if is_param and zero_axes:
+                steps = zero2_steps(n.meta["val"].numel(), st.output, zero_axes, self.mesh,
+                                    self.train.activation_bytes_per_elem)
+                sec = steps_seconds(steps, self.mesh) * count
+                d.seconds[i] += sec
+                d.comm_seconds[i] += sec
+                d.comm_steps[i].extend((step, count) for step in steps)
 
     def option_cost(self, n: fx.Node, st: Strategy, zero_axes, is_param: bool) -> tuple[float, float]:
         mesh, hw, train = self.mesh, self.hw, self.train
         if is_param:
             mem = param_state_bytes(n.meta["val"].numel(), st.output, mesh, train, zero_axes)
-            # The optimizer step streams weights, gradients and state once. ZeRO-2's gather after
-            # the step replaces half of the gradient all-reduce in the ring model, so it costs
-            # only one more kernel launch (which also breaks the tie toward plain DP).
-            sec = mem / (hw.efficiency * hw.memory_bandwidth_bytes_per_s) + (hw.kernel_overhead_s if zero_axes else 0)
+            # The optimizer step streams weights, gradients and state once. ZeRO-2's collectives
+            # are added by add_root (zero2_steps).
+            sec = mem / (hw.efficiency * hw.memory_bandwidth_bytes_per_s)
             return sec, mem
         if n.op in ("placeholder", "get_attr"):
             return 0.0, _tensor_bytes(n.meta["val"], train) * st.output.local_fraction(mesh)
@@ -361,7 +427,8 @@ class _Builder:
                 fwd, bwd = reshard_steps(a, st.inputs[0], total, self.mesh, grad)
                 cache[a] = (st, sec, mem, comm, fwd + bwd)
             st, sec, mem, comm, steps = cache[a]
-            steps = list(steps) + self._follower_syncs(st, total, producer)
+            zero = root.options[i][1] if root.is_param else ()  # ZeRO-2 reduce-scatters these axes
+            steps = list(steps) + [x for x in self._follower_syncs(st, total, producer) if x.axis not in zero]
             comm = sum(steps_seconds([x], self.mesh) for x in steps) if steps else 0.0
             chosen_per_option.append(st)
             root.seconds[i] += (sec + comm) * count
@@ -481,7 +548,9 @@ class _Builder:
                 if skey not in acc:
                     local = total * layout.local_fraction(mesh)
                     seconds = all_reduce_s(local, mesh.sizes[a], mesh.links[a])
-                    acc[skey] = SyncTerm(f"{tensor[0]}[{tensor[1]}]", a, seconds, [], local, 1)
+                    root = self.followers[tensor[0]][0] if tensor[0] in self.followers else tensor[0]
+                    param = root if root in self.decisions and self.decisions[root].is_param else ""
+                    acc[skey] = SyncTerm(f"{tensor[0]}[{tensor[1]}]", a, seconds, [], local, 1, param)
                 acc[skey].triggers.append((dv.key, i))
                 touched[skey] = None
         return list(touched)

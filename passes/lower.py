@@ -36,10 +36,14 @@ def _is_tensor_node(x: Any) -> bool:
 
 class _Lowering:
     def __init__(self, gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec,
-                 groups: Sequence[C.AxisGroup], followers: set[str]):
+                 groups: Sequence[C.AxisGroup], followers: set[str], zero2: dict[str, tuple[int, ...]],
+                 root: torch.nn.Module, local_inputs: bool = False):
+        self.local_inputs = local_inputs
         self.gm, self.strategies, self.mesh = gm, strategies, mesh
         self.groups = C.register_axes(list(groups))  # string keys: printable in the generated code
         self.followers = followers
+        self.zero2, self.root = zero2, root
+        self.gathered: dict[int, fx.Node] = {}  # ZeRO-2 parameter (by identity) -> its gathered weights
         self.graph = fx.Graph()
         self.graph._codegen = copy.deepcopy(gm.graph._codegen)  # keep the user's call convention
         self.env: dict[str, Any] = {}
@@ -75,18 +79,34 @@ class _Lowering:
         if not self.needs.get(producer.name, False):
             return value
         split = partial_grad_axes(strategy, self.mesh)
+        zero = self.zero2.get(self.param_root(producer), ())
+        if zero and node.name not in self.followers:
+            # ZeRO-2's reduce-scatter sums the gradient over its axes: where this use leaves it
+            # whole (replicated work, or a slice whose backward gathers), it enters divided by n.
+            for a in zero:
+                if not (a in split and dst.codes[a] == REPLICATE_CODE):
+                    value = self.call(C.grad_scale, value, 1.0 / self.mesh.sizes[a])
         # One gradient all-reduce per (tensor, layout, axis) among decision nodes; followers
         # keep their own, as the cost model prices them.
         owner = node.name if node.name in self.followers else ""
         done: tuple[int, ...] = ()
         for a in split:
-            if dst.codes[a] != REPLICATE_CODE:
+            if dst.codes[a] != REPLICATE_CODE or a in zero:  # ZeRO-2 reduce-scatters it instead
                 continue
             key = (producer.name, dst, done + (a,), owner)
             if key not in self.synced:
                 self.synced[key] = self.call(C.grad_sync, value, self.groups[a])
             value, done = self.synced[key], done + (a,)
         return value
+
+    def param_root(self, producer: fx.Node) -> str:
+        """The parameter node whose value ``producer`` carries through followers, or ""."""
+        while producer.name in self.followers and producer.op == "call_function":
+            ins = tensor_leaves(producer.args, producer.kwargs, _is_tensor_node)
+            if len(ins) != 1:
+                return ""
+            producer = ins[0]
+        return producer.name if producer.op == "get_attr" else ""
 
     def localize(self, node: fx.Node, args: tuple, kwargs: dict, strategy: Strategy) -> tuple[tuple, dict]:
         if not has_rule(node.target):
@@ -113,11 +133,20 @@ class _Lowering:
             self.env[node.name] = p
             return
         val = node.meta["val"]
-        self.env[node.name] = self.reshard(p, Layout.replicated(self.mesh.ndim), s.output, val.dim())
+        # Global inputs are cut to this rank's piece here (free); local ones arrive cut.
+        self.env[node.name] = p if self.local_inputs else \
+            self.reshard(p, Layout.replicated(self.mesh.ndim), s.output, val.dim())
         self.layouts[node.name] = s.outputs
 
     def do_get_attr(self, node: fx.Node) -> None:
         self.env[node.name] = self.graph.get_attr(node.target)
+        if node.name in self.zero2:
+            param = self.root.get_parameter(str(node.target))
+            if id(param) not in self.gathered:  # tied weights: one gather, one reduce-scatter
+                shape = self.strategies[node.name].output.local_shape(self.mesh, node.meta["val"].shape)
+                axes = [self.groups[a] for a in sorted(self.zero2[node.name])]
+                self.gathered[id(param)] = self.call(C.zero2_gather, self.env[node.name], list(shape), axes)
+            self.env[node.name] = self.gathered[id(param)]
         if node.name in self.strategies:
             self.layouts[node.name] = self.strategies[node.name].outputs
 
@@ -155,10 +184,13 @@ class _Lowering:
 
 
 def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, groups: Sequence[C.AxisGroup],
-          root: torch.nn.Module, followers: set[str] = frozenset()) -> fx.GraphModule:
+          root: torch.nn.Module, followers: set[str] = frozenset(),
+          zero2: dict[str, tuple[int, ...]] | None = None, local_inputs: bool = False) -> fx.GraphModule:
     """The per-rank program of ``gm`` (see module doc). ``root`` holds the local parameter
     shards under the graph's ``get_attr`` targets; ``followers`` names the nodes the planner
-    folded into their producer's decision (they keep their own gradient syncs)."""
-    graph = _Lowering(gm, strategies, mesh, groups, set(followers)).run()
+    folded into their producer's decision (they keep their own gradient syncs); ``zero2`` maps
+    ZeRO-2 parameter nodes to their zero axes (``root`` holds their flat pieces);
+    ``local_inputs=True`` makes a program whose inputs are already this rank's pieces."""
+    graph = _Lowering(gm, strategies, mesh, groups, set(followers), dict(zero2 or {}), root, local_inputs).run()
     graph.lint()
     return fx.GraphModule(root, graph)

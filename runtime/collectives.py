@@ -24,7 +24,8 @@ import torch.distributed as dist
 from autopar.cost_model.comm import bytes_sent_per_rank
 
 __all__ = ["AxisGroup", "register_axes", "ByteCounter", "COUNTER", "count_bytes", "all_gather", "local_slice", "all_reduce",
-           "reduce_scatter", "all_to_all", "to_partial", "grad_sync"]
+           "reduce_scatter", "all_to_all", "to_partial", "grad_sync", "zero2_gather", "grad_scale", "zero2_shard",
+           "zero2_unshard"]
 
 
 @dataclass(frozen=True)
@@ -246,3 +247,80 @@ def to_partial(x, average: bool, g: AxisGroup | str):
 def grad_sync(x, g: AxisGroup | str):
     """Identity forward; all-reduce of the gradient backward (a replicated input of sharded work)."""
     return _GradSync.apply(x, _g(g))
+
+
+# --- ZeRO-2 -----------------------------------------------------------------------------------
+# A ZeRO-2 parameter is kept as this rank's piece of its flattened, padded local tensor, so the
+# optimizer (any torch optimizer) holds state for that piece only. Each step gathers the
+# weights for use and reduce-scatters their gradient back onto the piece, over the zero axes;
+# ``cost_model.problem.zero2_steps`` prices exactly these steps. (Written by hand: FSDP2 shards
+# whole modules over one data mesh; here a parameter may also be cut by tensor-parallel axes.)
+
+
+def _padded(numel: int, k: int) -> int:
+    return -(-numel // k) * k
+
+
+def zero2_shard(local: torch.Tensor, groups: "list[AxisGroup]") -> torch.Tensor:
+    """This rank's piece of ``local`` flattened and padded (pieces ordered outer axis first)."""
+    k = 1
+    index = 0
+    for g in groups:
+        index = index * g.size + g.rank
+        k *= g.size
+    flat = local.reshape(-1)
+    flat = torch.cat([flat, flat.new_zeros(_padded(flat.numel(), k) - flat.numel())])
+    return flat.chunk(k)[index].clone()
+
+
+def zero2_unshard(piece: torch.Tensor, shape, groups: "list[AxisGroup]") -> torch.Tensor:
+    """Inverse of ``zero2_shard``: all-gather the pieces (innermost axis first), cut the padding."""
+    full = piece.contiguous()
+    for g in reversed(groups):
+        full = _gather(full, 0, g)
+    return full[: torch.Size(shape).numel()].view(shape)
+
+
+class _Zero2Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, piece, shape, groups):
+        ctx.groups, ctx.numel = groups, piece.numel()
+        return zero2_unshard(piece, shape, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flat = grad.reshape(-1)
+        k = 1
+        for g in ctx.groups:
+            k *= g.size
+        flat = torch.cat([flat, flat.new_zeros(ctx.numel * k - flat.numel())])
+        for g in ctx.groups:  # outermost axis first, as zero2_shard orders the pieces
+            COUNTER.add("reduce_scatter", _nbytes(flat), g.size)
+            parts = [p.contiguous() for p in flat.chunk(g.size)]
+            out = torch.empty_like(parts[g.rank])
+            dist.reduce_scatter(out, parts, group=g.group)
+            flat = out
+        return flat, None, None
+
+
+def zero2_gather(piece, shape, axes: "list[AxisGroup | str]"):
+    """The weights of a ZeRO-2 parameter from this rank's piece; backward reduce-scatters the
+    gradient (summed over the zero axes) onto the piece."""
+    return _Zero2Gather.apply(piece, tuple(shape), [_g(a) for a in axes])
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def grad_scale(x, factor: float):
+    """Identity forward; scales the gradient backward. A ZeRO-2 reduce-scatter sums over its
+    axis: a gradient that is already whole there (replicated work) enters it divided by n."""
+    return _GradScale.apply(x, factor)

@@ -6,8 +6,8 @@ broadcasts it, so all ranks run one plan. Each rank keeps only its shards of the
 (as ``nn.Parameter``, so any torch optimizer works on them) and runs the lowered program.
 
 Feeding data: pass the *global* batch on every rank (each rank cuts its own slice, for free),
-or read only the slice ``model.input_slices(global_shapes)`` names for this rank and pass
-``local_inputs=True`` to ``forward``. Outputs come back whole, as the single-device model
+or read only the slice ``model.input_slices()`` names for this rank (so data loading at scale
+reads each sample once) and call ``model(*pieces, local_inputs=True)``. Outputs come back whole, as the single-device model
 returns them.
 """
 
@@ -27,7 +27,7 @@ from autopar.passes.annotate import STRATEGIES_KEY, annotate
 from autopar.passes.lower import lower
 from autopar.plan import Plan
 from autopar.strategy import Layout, Strategy
-from autopar.trace import trace
+from autopar.trace import graph_fingerprint, trace
 
 from . import collectives as C
 
@@ -100,9 +100,11 @@ class ParallelModule(nn.Module):
     """The per-rank module ``parallelize`` returns. ``.plan`` is the plan it runs."""
 
     def __init__(self, program: fx.GraphModule, plan: Plan, strategies: dict[str, Strategy], gm: fx.GraphModule,
-                 device_mesh, coords: tuple[int, ...], groups: list[C.AxisGroup]):
+                 device_mesh, coords: tuple[int, ...], groups: list[C.AxisGroup], relower=None):
         super().__init__()
         self.program = program
+        self.__dict__["_relower"] = relower  # builds the local-inputs program on first use
+        self.__dict__["_local_program"] = None
         self.plan = plan
         self._strategies = strategies
         self._gm = gm
@@ -111,9 +113,16 @@ class ParallelModule(nn.Module):
         self._groups = groups
         self._params = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
         self._inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self._zero2 = _zero2_axes(plan, gm)
 
-    def forward(self, *args, **kwargs):
-        return self.program(*args, **kwargs)
+    def forward(self, *args, local_inputs: bool = False, **kwargs):
+        """Run one step's forward. Inputs are global tensors (every rank passes the whole batch),
+        or, with ``local_inputs=True``, each rank's own pieces as ``input_slices`` names them."""
+        if not local_inputs:
+            return self.program(*args, **kwargs)
+        if self._local_program is None:
+            self.__dict__["_local_program"] = self._relower()
+        return self._local_program(*args, **kwargs)
 
     def input_slices(self) -> list[tuple[slice, ...] | None]:
         """Per model input, the slice of the global tensor this rank uses (None: not a tensor)."""
@@ -124,9 +133,17 @@ class ParallelModule(nn.Module):
                        _shard_slices(n.meta["val"].shape, s.output, self._coords, self.plan.mesh.sizes))
         return out
 
+    def _zero2_groups(self, node: fx.Node) -> list[C.AxisGroup]:
+        return [self._groups[a] for a in sorted(self._zero2[node.name])]
+
+    def _storage_shape(self, node: fx.Node) -> tuple[int, ...]:
+        return self._strategies[node.name].output.local_shape(self.plan.mesh, node.meta["val"].shape)
+
     def _gather_full(self, local: torch.Tensor, node: fx.Node) -> torch.Tensor:
         layout = self._strategies[node.name].output
         t = local.detach()
+        if node.name in self._zero2:  # a flat ZeRO-2 piece: first the whole local tensor
+            t = C.zero2_unshard(t, self._storage_shape(node), self._zero2_groups(node))
         for a in reversed(range(len(layout.codes))):  # innermost cut first keeps pieces in order
             if layout.codes[a] >= 0:
                 t = C._gather(t, layout.codes[a], self._groups[a])
@@ -166,6 +183,8 @@ class ParallelModule(nn.Module):
                     raise KeyError(f"state dict has no entry {target!r}")
                 layout = self._strategies[node.name].output
                 piece = local_shard(state[target], layout, self._coords, self.plan.mesh.sizes)
+                if node.name in self._zero2:
+                    piece = C.zero2_shard(piece, self._zero2_groups(node))
                 dst = self.program.get_parameter(target) if _is_param(self.program, target) \
                     else self.program.get_buffer(target)
                 if piece.shape != dst.shape:
@@ -174,12 +193,24 @@ class ParallelModule(nn.Module):
                 dst.copy_(piece)
 
 
+def _zero2_axes(plan: Plan, gm: fx.GraphModule) -> dict[str, tuple[int, ...]]:
+    """Parameter nodes the plan keeps as ZeRO-2 pieces, and their zero axes."""
+    params = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"} & \
+        {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    targets = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    return {n.name: tuple(n.zero_axes) for n in plan.nodes
+            if n.zero_axes and targets.get(n.name) in params}
+
+
 def _is_param(module: nn.Module, target: str) -> bool:
     try:
         module.get_parameter(target)
         return True
     except AttributeError:
         return False
+
+
+_PLAN_FAILED = "autopar: planning failed\n"
 
 
 def _broadcast_plan(plan_json: str | None) -> str:
@@ -205,13 +236,24 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
         if dist.get_rank() == 0:
             from autopar.planner import plan as make_plan
 
-            text = make_plan(gm, n, model_name=type(model).__name__, **plan_options).to_json()
-        the_plan = Plan.from_json(_broadcast_plan(text))
+            try:
+                text = make_plan(gm, n, model_name=type(model).__name__, **plan_options).to_json()
+            except Exception as exc:  # every rank must learn of it, or the others wait forever
+                _broadcast_plan(_PLAN_FAILED + f"{type(exc).__name__}: {exc}")
+                raise
+        text = _broadcast_plan(text)
+        if text.startswith(_PLAN_FAILED):
+            raise AutoparError(f"planning on rank 0 failed: {text[len(_PLAN_FAILED):]}")
+        the_plan = Plan.from_json(text)
     else:
         the_plan = plan if isinstance(plan, Plan) else Plan.from_json(plan)
     if the_plan.n_devices != world:
         raise AutoparError(f"the plan is for {the_plan.n_devices} devices but the world size is {world}; "
-                           f"re-plan with autopar.plan(model, {world}, ...)")
+                           f"re-plan with autopar.plan(model, {world}, ...) or launch {the_plan.n_devices} processes")
+    if the_plan.graph_fingerprint and the_plan.graph_fingerprint != graph_fingerprint(gm):
+        raise AutoparError(f"the plan was made for another model or other input shapes (plan of "
+                           f"{the_plan.model!r}, graph fingerprint {the_plan.graph_fingerprint}; this model's is "
+                           f"{graph_fingerprint(gm)}); re-plan with autopar.plan(model, {world}, example_inputs)")
     strategies = _match_strategies(gm, the_plan)
     return _build(model, gm, the_plan, strategies, device)
 
@@ -227,8 +269,10 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
     groups = [C.AxisGroup(a, dm.get_group(a), s, c) for a, s, c in zip(mesh.axes, mesh.sizes, coords)]
     full = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
+    zero2 = _zero2_axes(plan, gm)
     root = nn.Module()
     shared: dict[int, tuple[str, Layout]] = {}  # tied weights: one local Parameter for all names
+    first_node: dict[str, str] = {}
     with torch.no_grad():
         for node in gm.graph.nodes:
             if node.op != "get_attr":
@@ -238,23 +282,28 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
             layout = strategies[node.name].output if node.name in strategies else Layout.replicated(mesh.ndim)
             if is_param and id(full[target]) in shared:
                 first, first_layout = shared[id(full[target])]
-                if first_layout != layout:
+                if first_layout != layout or zero2.get(node.name) != zero2.get(first_node[first]):
                     raise AutoparError(f"tied parameters {first} and {target} were planned with different layouts "
-                                       f"({first_layout} vs {layout}); untie them or pin one layout")
+                                       f"({first_layout} vs {layout}, or ZeRO-2 axes); untie them or pin one layout")
                 _set_attr(root, target, root.get_parameter(first), True)
                 continue
             if is_param:
                 shared[id(full[target])] = (target, layout)
+                first_node[target] = node.name
             tensor = full[target] if is_param else buffers.get(target)
             if tensor is None:
                 tensor = functools.reduce(getattr, target.split("."), gm)
             tensor = tensor.detach().clone()
             if is_param:
                 dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights
-            _set_attr(root, target, local_shard(tensor, layout, coords, mesh.sizes), is_param)
+            local = local_shard(tensor, layout, coords, mesh.sizes)
+            if node.name in zero2:  # the optimizer sees this rank's flat piece only
+                local = C.zero2_shard(local, [groups[a] for a in sorted(zero2[node.name])])
+            _set_attr(root, target, local, is_param)
     followers = {name for name, n in plan_followers(plan).items()}
-    program = lower(gm, strategies, mesh, groups, root, followers)
-    return ParallelModule(program, plan, strategies, gm, dm, coords, groups)
+    program = lower(gm, strategies, mesh, groups, root, followers, zero2)
+    relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2, local_inputs=True)
+    return ParallelModule(program, plan, strategies, gm, dm, coords, groups, relower)
 
 
 def plan_followers(plan: Plan) -> dict[str, str]:

@@ -21,6 +21,41 @@ LR = 1e-3
 EPS = 1e-6
 
 
+# An op autopar has no sharding rule for (a custom op with its own autograd): the planner must
+# run it replicated, with reshards around it, and the result must still equal one device's.
+@torch.library.custom_op("autopar_rt::scaled_tanh", mutates_args=())
+def scaled_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) * 1.5
+
+
+@scaled_tanh.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _scaled_tanh_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _scaled_tanh_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad * 1.5 * (1 - torch.tanh(x) ** 2)
+
+
+scaled_tanh.register_autograd(_scaled_tanh_backward, setup_context=_scaled_tanh_setup)
+
+
+class CustomOpMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(32, 64)
+        self.fc2 = torch.nn.Linear(64, 8)
+
+    def forward(self, x, y):
+        h = torch.ops.autopar_rt.scaled_tanh(self.fc1(x))
+        return torch.nn.functional.mse_loss(self.fc2(h), y)
+
+
 def build(name: str):
     from autopar.models import get_model
 
@@ -29,20 +64,53 @@ def build(name: str):
         from autopar.models import MLPConfig, mlp
 
         return mlp(MLPConfig(in_features=32, hidden=64, out_features=8, depth=2), batch_size=16)
+    if name == "mlp-customop":
+        model = CustomOpMLP()
+        return model, (torch.randn(16, 32), torch.randn(16, 8))
     return get_model(name, batch_size=8, seq_len=16)
 
 
-def run_case(name: str, family: str, mesh: str | None):
-    from autopar.runtime import count_bytes, parallelize
+def refused(name: str, family: str) -> str:
+    """parallelize with a plan made for another model / world size: the error it raises."""
+    import autopar
+    from autopar.runtime import parallelize
 
     model, inputs = build(name)
-    pm = parallelize(model, example_inputs=inputs, hardware="a100-80gb", mixed_precision=False,
-                     strategy=family, mesh=mesh, baselines=False)
+    world = torch.distributed.get_world_size()
+    if family == "refuse-other-model":
+        other, other_inputs = build("mlp" if name != "mlp" else "gpt-tiny")
+        plan = autopar.plan(other, world, other_inputs, baselines=False)
+    else:  # refuse-other-world
+        plan = autopar.plan(model, world * 2, inputs, baselines=False)
+    try:
+        parallelize(model, example_inputs=inputs, plan=plan.to_json())
+    except autopar.AutoparError as exc:
+        return str(exc)
+    return ""
+
+
+def run_case(name: str, family: str, mesh: str | None, options: dict | None = None):
+    import warnings
+
+    from autopar.runtime import count_bytes, parallelize
+
+    if family.startswith("refuse"):
+        return dict(refused=refused(name, family))
+    model, inputs = build(name)
+    options = dict(options or {})
+    local_inputs = bool(options.pop("local_inputs", False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = parallelize(model, example_inputs=inputs, hardware="a100-80gb", mixed_precision=False,
+                         strategy=family, mesh=mesh, baselines=False, **options)
+    if local_inputs:  # each rank reads only its own piece of the batch
+        inputs = tuple(x if sl is None else x[sl].clone() for x, sl in zip(inputs, pm.input_slices()))
+    unknown_ops = sorted({str(w.message) for w in caught if w.category.__name__ == "UnknownOpWarning"})
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     losses, sent_per_step, grads = [], [], None
     for step in range(STEPS):
         with count_bytes() as sent:
-            loss = pm(*inputs)
+            loss = pm(*inputs, local_inputs=local_inputs)
             loss.backward()
         if step == 0:
             grads = pm.full_grads()
@@ -51,8 +119,15 @@ def run_case(name: str, family: str, mesh: str | None):
         opt.step()
         opt.zero_grad()
     return dict(losses=losses, grads=grads, params=pm.full_state_dict(), sent=sent_per_step,
-                predicted=dict(pm.plan.comm_bytes), mesh=str(pm.plan.mesh),
-                strategies={n.name: n.strategy for n in pm.plan.nodes})
+                predicted=dict(pm.plan.comm_bytes), mesh=str(pm.plan.mesh), unknown_ops=unknown_ops,
+                strategies={n.name: n.strategy for n in pm.plan.nodes},
+                zero2_params=sum(1 for n in pm.plan.nodes if n.zero_axes))
+
+
+def case_key(case) -> str:
+    name, family, mesh, *options = case
+    extra = "".join(f"/{k}={v:g}" for k, v in (options[0] if options else {}).items())
+    return f"{name}/{family}/{mesh}{extra}"
 
 
 def main(rank: int, world: int, port: int, cases: list, out_path: str) -> None:
@@ -61,10 +136,10 @@ def main(rank: int, world: int, port: int, cases: list, out_path: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     try:
-        for name, family, mesh in cases:
-            key = f"{name}/{family}/{mesh}"
+        for name, family, mesh, *options in cases:
+            key = case_key((name, family, mesh, *options))
             try:
-                results[key] = run_case(name, family, mesh)
+                results[key] = run_case(name, family, mesh, *options)
             except Exception as exc:  # reported per case by the test
                 results[key] = {"error": f"{type(exc).__name__}: {exc}"}
             dist.barrier()

@@ -123,7 +123,7 @@ def test_plan_never_slower_than_a_feasible_baseline_and_round_trips():
     model, inputs = mlp(MLPConfig(in_features=1024, hidden=4096, out_features=16, depth=2),
                         batch_size=512, device="meta")
     p = plan(model, 8, inputs, model_name="mlp-test")
-    assert {b.name for b in p.baselines} == {"dp", "zero3", "megatron", "megatron-sp", "megatron-dp"}
+    assert {b.name for b in p.baselines} == {"dp", "zero2", "zero3", "megatron", "megatron-sp", "megatron-dp"}
     for b in p.baselines:
         if b.feasible:
             assert p.step_seconds <= b.step_seconds * (1 + 1e-9), b
@@ -152,7 +152,7 @@ def test_diff_names_changed_nodes():
 def test_infeasible_budget_states_the_smallest_memory_any_plan_needs():
     model, inputs = mlp(MLPConfig(in_features=4096, hidden=4096, out_features=16, depth=4),
                         batch_size=64, device="meta")
-    with pytest.raises(InfeasibleBudgetError, match=r"smallest any plan needs is [0-9.]+ GiB.*raise"):
+    with pytest.raises(InfeasibleBudgetError, match=r"smallest any plan needs is [0-9.]+ [GMK]iB.*raise"):
         plan(model, 8, inputs, mesh="dp=8", baselines=False, memory_budget_bytes=1e6)
 
 
@@ -194,3 +194,35 @@ def test_every_tiny_zoo_model_plans_and_beats_or_ties_its_baselines(name):
     assert p.solver.status == "Optimal" and p.solver.gap < 1e-3
     assert all(p.step_seconds <= b.step_seconds * (1 + 1e-9) for b in p.baselines if b.feasible)
     assert all(n.strategy for n in p.nodes)
+
+
+def test_zero2_splits_gradient_and_optimizer_state_for_the_bytes_of_an_all_reduce():
+    model, inputs = mlp(MLPConfig(in_features=1024, hidden=4096, out_features=16, depth=2),
+                        batch_size=512, device="meta")
+    dp = plan(model, 8, inputs, strategy="dp", baselines=False)
+    z2 = plan(model, 8, inputs, strategy="zero2", baselines=False)
+    assert all(n.zero_axes == (0,) for n in z2.nodes if n.op == "get_attr")
+    # weights stay whole, gradients and Adam state are split 8 ways (bf16 mixed precision:
+    # 2 + 2 + 12 bytes per parameter -> 2 + 14 / 8)
+    assert z2.param_state_bytes == pytest.approx(dp.param_state_bytes * (2 + 14 / 8) / 16, rel=1e-3)
+    # reduce-scatter + all-gather send what the all-reduce sent (ring model), no more
+    assert set(z2.comm_bytes) >= {"reduce_scatter", "all_gather"}
+    assert z2.comm_bytes["reduce_scatter"] + z2.comm_bytes["all_gather"] + z2.comm_bytes.get("all_reduce", 0) == \
+        pytest.approx(dp.comm_bytes["all_reduce"], rel=1e-3)
+    # a budget below DP's memory makes the planner's own choice split the state
+    auto = plan(model, 8, inputs, baselines=False, memory_budget_bytes=dp.peak_memory_bytes_per_device * 0.6)
+    assert auto.peak_memory_bytes_per_device <= dp.peak_memory_bytes_per_device * 0.6
+
+
+def test_graph_fingerprint_tells_models_and_shapes_apart():
+    from autopar.trace import graph_fingerprint
+
+    def fp(batch, hidden=64):
+        model, inputs = mlp(MLPConfig(in_features=32, hidden=hidden, out_features=8, depth=2), batch_size=batch)
+        return graph_fingerprint(autopar.trace(model, inputs))
+
+    assert fp(16) == fp(16)
+    assert len({fp(16), fp(8), fp(16, hidden=128)}) == 3
+    model, inputs = mlp(MLPConfig(in_features=32, hidden=64, out_features=8, depth=2), batch_size=16)
+    p = plan(model, 2, inputs, baselines=False)
+    assert Plan.from_json(p.to_json()).graph_fingerprint == p.graph_fingerprint == fp(16)

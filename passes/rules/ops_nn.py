@@ -185,3 +185,37 @@ _FACTORY_SAMPLES = {
 }
 for _op, _samples in _FACTORY_SAMPLES.items():
     register_rule(_op, samples=lambda s=_samples: s)(factory)
+
+
+@register_rule(aten.mse_loss.default, aten.l1_loss.default, samples=lambda: [
+    call(rand(8, 8), rand(8, 8)), call(rand(8, 4, 8), rand(8, 4, 8), 2), call(rand(8, 8), rand(8, 8), 0),
+])
+def pointwise_loss(x, target, reduction=1) -> OpSpec:
+    # Elementwise, then reduced over every element: a shard's mean is a Partial(avg) of the
+    # whole (shards are equal in size), its sum a Partial(sum).
+    dims = _L[: x.dim()]
+    op = _REDUCTIONS[reduction]
+    if op is None:
+        return OpSpec(f"{dims},{dims}->{dims}")
+    return OpSpec(f"{dims},{dims}->", contract=op)
+
+
+@register_rule(aten.smooth_l1_loss.default, aten.huber_loss.default, samples=lambda: [
+    call(rand(8, 8), rand(8, 8)), call(rand(8, 4, 8), rand(8, 4, 8), 2, 0.5), call(rand(8, 8), rand(8, 8), 0),
+])
+def pointwise_loss_with_beta(x, target, reduction=1, beta=1.0) -> OpSpec:
+    return pointwise_loss(x, target, reduction)
+
+
+@register_rule(aten.binary_cross_entropy_with_logits.default, samples=lambda: [
+    call(rand(8, 8), rand(8, 8, positive=True)), call(rand(8, 8), rand(8, 8, positive=True), rand(8), rand(8), 2),
+    call(rand(8, 4), rand(8, 4, positive=True), None, None, 0),
+])
+def bce_with_logits(x, target, weight=None, pos_weight=None, reduction=1) -> OpSpec:
+    # weight and pos_weight broadcast from the right; they are cut with the dims they span.
+    dims = _L[: x.dim()]
+    specs = [dims, dims] + [dims[x.dim() - w.dim():] for w in (weight, pos_weight) if w is not None]
+    op = _REDUCTIONS[reduction]
+    if op is None:
+        return OpSpec(",".join(specs) + f"->{dims}")
+    return OpSpec(",".join(specs) + "->", contract=op)

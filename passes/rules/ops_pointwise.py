@@ -178,3 +178,12 @@ def where(cond, a, b) -> OpSpec:
     # where(c, x, y) picks elementwise, so it is linear in (x, y) jointly with c whole.
     linear = (frozenset({1, 2}),) if len(ts) == 3 else ()
     return OpSpec(elementwise_spec([t.shape for t in ts], out_shape), linear=linear)
+
+
+@register_rule(aten.broadcast_tensors.default, samples=lambda: [
+    call([rand(8, 8), rand(8, 8)]), call([rand(8, 1, 4), rand(8, 4)]), call([rand(4, 8), rand(8)]),
+])
+def broadcast_tensors(tensors) -> OpSpec:
+    # Output k is input k expanded to the common shape: every output has all the dims.
+    out_shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    return OpSpec(elementwise_spec([t.shape for t in tensors], out_shape, n_outputs=len(tensors)))
