@@ -23,7 +23,7 @@ from autopar.cost_model.problem import _requires_grad, partial_grad_axes
 from autopar.cost_model.reshard import transitions
 from autopar.mesh import MeshSpec
 from autopar.runtime import collectives as C
-from autopar.strategy import REPLICATE_CODE, PARTIAL_AVG_CODE, Layout, Strategy
+from autopar.strategy import REPLICATE_CODE, PARTIAL_AVG_CODE, Layout, Replicate, Strategy
 
 from .rules import get_rule, has_rule, tensor_leaves
 
@@ -37,8 +37,8 @@ def _is_tensor_node(x: Any) -> bool:
 class _Lowering:
     def __init__(self, gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec,
                  groups: Sequence[C.AxisGroup], followers: set[str], zero2: dict[str, tuple[int, ...]],
-                 root: torch.nn.Module, local_inputs: bool = False):
-        self.local_inputs = local_inputs
+                 root: torch.nn.Module, local_inputs: bool = False, local_outputs: bool = False):
+        self.local_inputs, self.local_outputs = local_inputs, local_outputs
         self.gm, self.strategies, self.mesh = gm, strategies, mesh
         self.groups = C.register_axes(list(groups))  # string keys: printable in the generated code
         self.followers = followers
@@ -176,8 +176,12 @@ class _Lowering:
             if not isinstance(x, fx.Node):
                 return x
             if _is_tensor_node(x) and x.name in self.layouts:
-                return self.reshard(self.env[x.name], self.layouts[x.name][0], Layout.replicated(self.mesh.ndim),
-                                    x.meta["val"].dim())
+                src = self.layouts[x.name][0]
+                # whole, or (local_outputs) left cut as the plan has it, partial sums reduced
+                dst = Layout.interned(tuple(Replicate() if c < REPLICATE_CODE else p
+                                            for p, c in zip(src.placements, src.codes))) \
+                    if self.local_outputs else Layout.replicated(self.mesh.ndim)
+                return self.reshard(self.env[x.name], src, dst, x.meta["val"].dim())
             return self.env[x.name]
 
         self.graph.output(pytree.tree_map(whole, node.args[0]))
@@ -185,12 +189,15 @@ class _Lowering:
 
 def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, groups: Sequence[C.AxisGroup],
           root: torch.nn.Module, followers: set[str] = frozenset(),
-          zero2: dict[str, tuple[int, ...]] | None = None, local_inputs: bool = False) -> fx.GraphModule:
+          zero2: dict[str, tuple[int, ...]] | None = None, local_inputs: bool = False,
+          local_outputs: bool = False) -> fx.GraphModule:
     """The per-rank program of ``gm`` (see module doc). ``root`` holds the local parameter
     shards under the graph's ``get_attr`` targets; ``followers`` names the nodes the planner
     folded into their producer's decision (they keep their own gradient syncs); ``zero2`` maps
     ZeRO-2 parameter nodes to their zero axes (``root`` holds their flat pieces);
-    ``local_inputs=True`` makes a program whose inputs are already this rank's pieces."""
-    graph = _Lowering(gm, strategies, mesh, groups, set(followers), dict(zero2 or {}), root, local_inputs).run()
+    ``local_inputs=True`` makes a program whose inputs are already this rank's pieces, and
+    ``local_outputs=True`` one whose outputs stay cut as the plan leaves them."""
+    graph = _Lowering(gm, strategies, mesh, groups, set(followers), dict(zero2 or {}), root, local_inputs,
+                      local_outputs).run()
     graph.lint()
     return fx.GraphModule(root, graph)

@@ -7,8 +7,8 @@ broadcasts it, so all ranks run one plan. Each rank keeps only its shards of the
 
 Feeding data: pass the *global* batch on every rank (each rank cuts its own slice, for free),
 or read only the slice ``model.input_slices()`` names for this rank (so data loading at scale
-reads each sample once) and call ``model(*pieces, local_inputs=True)``. Outputs come back whole, as the single-device model
-returns them.
+reads each sample once) and call ``model(*pieces, local_inputs=True)``. Outputs come back whole, as
+the single-device model returns them, or left cut with ``local_outputs=True`` (``output_slices``).
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ class ParallelModule(nn.Module):
                  device_mesh, coords: tuple[int, ...], groups: list[C.AxisGroup], relower=None):
         super().__init__()
         self.program = program
-        self.__dict__["_relower"] = relower  # builds the local-inputs program on first use
-        self.__dict__["_local_program"] = None
+        self.__dict__["_relower"] = relower  # builds the local-inputs/outputs programs on first use
+        self.__dict__["_variants"] = {}
         self.plan = plan
         self._strategies = strategies
         self._gm = gm
@@ -115,14 +115,17 @@ class ParallelModule(nn.Module):
         self._inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._zero2 = _zero2_axes(plan, gm)
 
-    def forward(self, *args, local_inputs: bool = False, **kwargs):
+    def forward(self, *args, local_inputs: bool = False, local_outputs: bool = False, **kwargs):
         """Run one step's forward. Inputs are global tensors (every rank passes the whole batch),
-        or, with ``local_inputs=True``, each rank's own pieces as ``input_slices`` names them."""
-        if not local_inputs:
+        or, with ``local_inputs=True``, each rank's own pieces as ``input_slices`` names them.
+        Outputs come back whole, or with ``local_outputs=True`` as this rank's pieces
+        (``output_slices``; partial sums are reduced)."""
+        if not (local_inputs or local_outputs):
             return self.program(*args, **kwargs)
-        if self._local_program is None:
-            self.__dict__["_local_program"] = self._relower()
-        return self._local_program(*args, **kwargs)
+        key = (local_inputs, local_outputs)
+        if key not in self._variants:
+            self._variants[key] = self._relower(local_inputs=local_inputs, local_outputs=local_outputs)
+        return self._variants[key](*args, **kwargs)
 
     def input_slices(self) -> list[tuple[slice, ...] | None]:
         """Per model input, the slice of the global tensor this rank uses (None: not a tensor)."""
@@ -132,6 +135,17 @@ class ParallelModule(nn.Module):
             out.append(None if s is None else
                        _shard_slices(n.meta["val"].shape, s.output, self._coords, self.plan.mesh.sizes))
         return out
+
+    def output_slices(self) -> list[tuple[slice, ...] | None]:
+        """Per output tensor (in pytree-flattened order), the slice of the whole output this rank
+        holds under ``local_outputs=True`` (None: not a tensor)."""
+        out_node = next(n for n in self._gm.graph.nodes if n.op == "output")
+        slices = []
+        for leaf in torch.utils._pytree.tree_leaves(out_node.args[0]):
+            s = self._strategies.get(leaf.name) if isinstance(leaf, fx.Node) else None
+            slices.append(None if s is None else
+                          _shard_slices(leaf.meta["val"].shape, s.outputs[0], self._coords, self.plan.mesh.sizes))
+        return slices
 
     def _zero2_groups(self, node: fx.Node) -> list[C.AxisGroup]:
         return [self._groups[a] for a in sorted(self._zero2[node.name])]
@@ -302,7 +316,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
             _set_attr(root, target, local, is_param)
     followers = {name for name, n in plan_followers(plan).items()}
     program = lower(gm, strategies, mesh, groups, root, followers, zero2)
-    relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2, local_inputs=True)
+    relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2)
     return ParallelModule(program, plan, strategies, gm, dm, coords, groups, relower)
 
 

@@ -89,6 +89,22 @@ def refused(name: str, family: str) -> str:
     return ""
 
 
+def local_outputs(family: str) -> dict:
+    """A model that returns its activations: with ``local_outputs=True`` each rank gets its
+    piece of what the whole-output call returns, where ``output_slices`` says."""
+    from autopar.runtime import parallelize
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    x = torch.randn(16, 32)
+    pm = parallelize(model, example_inputs=(x,), strategy=family, baselines=False)
+    whole = pm(x)
+    piece = pm(x, local_outputs=True)
+    (sl,) = pm.output_slices()
+    return dict(err=(piece - whole[sl]).abs().max().item(), piece_shape=tuple(piece.shape),
+                whole_shape=tuple(whole.shape), single=(whole - model(x)).abs().max().item())
+
+
 def run_case(name: str, family: str, mesh: str | None, options: dict | None = None):
     import warnings
 
@@ -96,6 +112,8 @@ def run_case(name: str, family: str, mesh: str | None, options: dict | None = No
 
     if family.startswith("refuse"):
         return dict(refused=refused(name, family))
+    if name == "local-outputs":
+        return local_outputs(family)
     model, inputs = build(name)
     options = dict(options or {})
     local_inputs = bool(options.pop("local_inputs", False))

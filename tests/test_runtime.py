@@ -26,7 +26,8 @@ CASES_BY_WORLD = {
        + [("gpt-tiny", "auto", None, TIGHT), ("bert-tiny", "auto", None, TIGHT),
           ("mlp-customop", "megatron", None), ("mlp-customop", "auto", None),
           ("gpt-tiny", "megatron-dp", None, {"local_inputs": 1}),
-          ("mlp", "refuse-other-model", None), ("gpt-tiny", "refuse-other-world", None)],
+          ("mlp", "refuse-other-model", None), ("gpt-tiny", "refuse-other-world", None),
+          ("local-outputs", "dp", None)],
     8: [("gpt-tiny", "auto", None, TIGHT), ("gpt-tiny", "megatron-dp", "dp=4,tp=2"), ("mlp", "zero3", None),
         ("gpt-tiny", "zero2", None),
         ("hf-gpt2-tiny", "megatron-dp", "dp=2,tp=4")],
@@ -82,7 +83,8 @@ def _id(world_case) -> str:
 
 
 INFEASIBLE = (2, ("hf-gpt2-tiny", "auto", None, {"memory_budget_bytes": 1e6}))
-RUN_CASES = [c for c in CASES if not c[1][1].startswith("refuse") and c != INFEASIBLE]
+RUN_CASES = [c for c in CASES if not c[1][1].startswith("refuse") and c != INFEASIBLE
+             and c[1][0] != "local-outputs"]
 
 
 @pytest.mark.slow
@@ -124,3 +126,11 @@ def test_a_plan_that_fails_on_rank_0_fails_on_every_rank(launch):
     # (the launch finishing at all is the check; rank 0 reports the planner's own error)
     r = launch(INFEASIBLE[0])[case_key(INFEASIBLE[1])]
     assert "no plan fits the memory budget" in r.get("error", ""), r
+
+
+@pytest.mark.slow
+def test_outputs_can_stay_cut_where_the_plan_leaves_them(launch):
+    r = launch(4)[case_key(("local-outputs", "dp", None))]
+    assert "error" not in r, r.get("error")
+    assert r["single"] < 1e-5  # the whole output is the single-device one
+    assert r["err"] == 0 and r["piece_shape"] == (4, 16) and r["whole_shape"] == (16, 16)
