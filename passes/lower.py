@@ -11,7 +11,6 @@ Printing the result shows every collective as a call to ``autopar.runtime.collec
 
 from __future__ import annotations
 
-import copy
 import operator
 from typing import Any, Callable, Sequence
 
@@ -45,7 +44,7 @@ class _Lowering:
         self.zero2, self.root = zero2, root
         self.gathered: dict[int, fx.Node] = {}  # ZeRO-2 parameter (by identity) -> its gathered weights
         self.graph = fx.Graph()
-        self.graph._codegen = copy.deepcopy(gm.graph._codegen)  # keep the user's call convention
+        self.graph._codegen = gm.graph._codegen  # the user's call convention (read-only: shared, not copied)
         self.env: dict[str, Any] = {}
         self.layouts: dict[str, tuple[Layout, ...]] = {}
         self.needs = _requires_grad(gm)
