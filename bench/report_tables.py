@@ -166,6 +166,8 @@ def print_scaling(rows: list[dict]) -> None:
                 title="3. Planner scaling: GPT-2 width (d=768, batch 8x1024) on the meta device, a100-80gb "
                       "profile; plan s: one whole autopar.plan (trace, mesh search, baselines); ILP size: the "
                       "chosen mesh's ILP"))
+    shown = set()
     for r in rows:
-        if r.get("error"):
+        if r.get("error") and (r["n_layer"], r["devices"]) not in shown:
+            shown.add((r["n_layer"], r["devices"]))
             print(f"  {r['n_layer']} layers on {r['devices']} devices FAILED: {r['error'][:400]}")

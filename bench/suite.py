@@ -1,7 +1,7 @@
 """The benchmark suite: autopar's runtime against torch's parallel methods, the cost model's
 fidelity, and the planner's scaling, in one command.
 
-    python bench/suite.py                 # ~10 min on the 2-core CPU machine
+    python bench/suite.py                 # ~11-14 min on the 2-core CPU machine
     python bench/suite.py --quick         # smoke run, ~3 min (tiny model, fewer plans)
     python bench/suite.py --json out.json --hardware cpu
 
@@ -38,7 +38,7 @@ from runtime_vs_baselines import FULL, QUICK, build_model  # noqa: E402
 METHODS = ["ddp", "autopar-dp", "fsdp2", "autopar-zero3", "tp", "autopar-megatron", "autopar-megatron-dp",
            "autopar-auto"]
 DEPTHS, DEVICES = (12, 24, 48, 96), (8, 64, 256, 1024)
-QUICK_DEPTHS, QUICK_DEVICES = (12,), (8,)
+QUICK_DEPTHS, QUICK_DEVICES = (12,), (64,)  # one plan: gpt2 on 64 devices
 SCALING_DEPTH_DEVICES = 64
 
 
@@ -206,8 +206,8 @@ def main() -> None:
         print_runtime(runtime, shape, ref, hardware)
         print_fidelity(results["fidelity"])
     if "scaling" not in args.skip:
-        budget = args.scaling_budget if args.scaling_budget is not None else (45 if args.quick else 300)
-        results["scaling"] = run_scaling(args.quick, budget, 45 if args.quick else 150)
+        budget = args.scaling_budget if args.scaling_budget is not None else (45 if args.quick else 240)
+        results["scaling"] = run_scaling(args.quick, budget, 45 if args.quick else 120)
         print_scaling(results["scaling"])
     results["total_wall_s"] = time.perf_counter() - _T0
     results["load_average_at_end"] = os.getloadavg()
