@@ -50,7 +50,10 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[
         raise TraceError(_explain(exc, model)) from exc
     finally:
         fx.config.do_not_emit_stack_traces = saved
-    gm = exported.module()
+    try:  # no guard function to build (a tenth of the trace time on deep models): the caller drops it anyway
+        gm = exported.module(check_guards=False)
+    except TypeError:  # a torch without the option
+        gm = exported.module()
     _drop_guards(gm)
     return gm
 
@@ -70,14 +73,17 @@ def graph_fingerprint(gm: fx.GraphModule) -> str:
 
 def _drop_guards(gm: fx.GraphModule) -> None:
     graph = gm.graph
+    dropped = False
     for node in list(graph.nodes):
         is_guard_module = node.op == "call_module" and node.target == "_guards_fn"
         if (is_guard_module or (node.op == "call_function" and node.target in _GUARD_TARGETS)) and not node.users:
             graph.erase_node(node)
+            dropped = True
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
-    graph.lint()
-    gm.recompile()
+    if dropped:
+        graph.lint()
+        gm.recompile()
 
 
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
