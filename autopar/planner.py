@@ -56,7 +56,7 @@ def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _outer_data_axis(node: fx.Node, option) -> bool:
+def _outer_data_axis(node: fx.Node, option) -> bool:  # (non-strict: see _outer_data_axis.strict)
     """On 3-axis meshes the outermost axis is a data axis (batch-sharded activations,
     parameters replicated or ZeRO-sharded there) and the inner two axes are searched freely:
     the full 3-axis space is ~10x the variables of a 2-axis one. 2D/2.5D/3D tensor layouts
@@ -80,6 +80,10 @@ def candidate_meshes(n: int, hw: Hardware, max_axes: int = 3) -> list[MeshSpec]:
             axes = tuple(f"m{a}" for a in range(k))
             meshes.append(hw.mesh_spec(axes, sizes))
     return meshes or [hw.mesh_spec(("m0",), (1,))]
+
+
+# a batch that does not divide by the outer axis leaves the inputs free instead of the mesh out
+_outer_data_axis.strict = False
 
 
 # --- pins: restrictions that turn the ILP into a baseline family -----------------------------
@@ -157,6 +161,7 @@ def _pin(data_axes: Sequence[int], tp_axes: Sequence[int], zero3: bool, sp: bool
             return all(want(pl[a]) for a in tp_axes)
         return True
 
+    pin.zero2 = zero2
     return pin
 
 
@@ -192,7 +197,13 @@ class _Solved:
 
 def _prepare(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: TrainingSpec, pin: Pin | None) -> Problem:
     annotate(gm, mesh)
-    return build_problem(gm, mesh, hw, train, pin)
+    # ZeRO-2 options enter the search when memory asks for them (plan(): _ZERO2[0]) or a family
+    # pins them: releasing gradient all-reduces makes the LP relaxation fractional (gpt2 on 8:
+    # 3 ILPs and 37 s instead of one integral LP in 2 s).
+    return build_problem(gm, mesh, hw, train, pin, zero2=_ZERO2[0] or getattr(pin, "zero2", False))
+
+
+_ZERO2 = [False]
 
 
 def _solve(problem: Problem, budget: float | None, time_limit_s: float) -> _Solved:
@@ -220,12 +231,17 @@ class _Bound:
     lp: SolveResult | None = None
 
 
-def _bounds(gm, items, hw, train, budget, time_limit_s, progress) -> tuple[list[_Bound], float]:
-    """LP bounds of the meshes ``items`` ((index, (mesh, pin)) pairs), and the least memory
-    any infeasible one needs."""
-    out, need = [], math.inf
+def _bounds(gm, items, hw, train, budget, time_limit_s, progress) -> tuple[list[_Bound], float, str]:
+    """LP bounds of the meshes ``items`` ((index, (mesh, pin)) pairs), the least memory any
+    infeasible one needs, and why a mesh could not follow its pinned family ("" if none)."""
+    out, need, pin_error = [], math.inf, ""
     for index, (mesh, pin) in items:
-        problem = _prepare(gm, mesh, hw, train, pin)
+        try:
+            problem = _prepare(gm, mesh, hw, train, pin)
+        except PinError as exc:  # e.g. a 3-axis mesh whose data axis exceeds the batch
+            _progress(progress, f"mesh {mesh}: skipped ({exc.short})")
+            pin_error = str(exc)
+            continue
         try:
             lp = solve(problem, budget, time_limit_s=time_limit_s, relax=True)
         except InfeasibleBudgetError as exc:
@@ -234,7 +250,7 @@ def _bounds(gm, items, hw, train, budget, time_limit_s, progress) -> tuple[list[
         out.append(_Bound(index, lp.objective_s, lp.integral, problem, lp))
         _progress(progress, f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars"
                             f"{', integral' if lp.integral else ''})")
-    return out, need
+    return out, need, pin_error
 
 
 def _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_ilps: int = 3,
@@ -244,11 +260,14 @@ def _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_
     ``helper`` process bounds some of the meshes meanwhile (``_Helper``)."""
     remote = helper.indices if helper is not None else frozenset()
     items = [(i, mp) for i, mp in enumerate(meshes_and_pins) if i not in remote]
-    bounded, infeasible_need = _bounds(gm, items, hw, train, budget, time_limit_s, progress)
+    bounded, infeasible_need, pin_error = _bounds(gm, items, hw, train, budget, time_limit_s, progress)
     if helper is not None:
-        more, need = helper.bounds()
+        more, need, helper_pin_error = helper.bounds()
         bounded += more
         infeasible_need = min(infeasible_need, need)
+        pin_error = pin_error or helper_pin_error
+    if not bounded and pin_error and not math.isfinite(infeasible_need):
+        raise PinError(pin_error)
     bounded.sort(key=lambda b: (b.objective, b.index))
     best: _Solved | None = None
     solved = 0
@@ -269,7 +288,8 @@ def _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_
             s = _Solved(mesh, problem, lp, evaluate(problem, lp.choice))
         else:
             try:
-                s = _solve(problem, budget, time_limit_s)
+                # the search's ILPs share the time limit: a hard mesh cannot stall the plan
+                s = _solve(problem, budget, time_limit_s / max_ilps)
             except InfeasibleBudgetError as exc:
                 infeasible_need = min(infeasible_need, exc.need_bytes)
                 continue
@@ -324,8 +344,8 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     helper = (_Helper(gm, candidates, hw, train, budget, time_limit_s, progress, n_gpus, with_baselines)
               if with_baselines or len(candidates) > 1 else None)
     try:
-        best, n_solved, search_note = _search(gm, candidates, hw, train, budget, time_limit_s, progress,
-                                              helper=helper)
+        best, n_solved, search_note = _search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
+                                                         helper)
     except BaseException:
         if helper is not None:
             helper.close()
@@ -347,6 +367,39 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     annotate(gm, best.mesh)  # leave the graph annotated for the chosen mesh
     return _to_plan(gm, best, hw, train, budget, strategy, baseline_results, n_gpus,
                     model_name or type(model).__name__, n_solved, time.perf_counter() - t0, search_note)
+
+
+def _search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress, helper):
+    """The mesh search without ZeRO-2 options, then, where memory is tight (no plan fits, or the
+    best one uses over 90% of the budget), again with them; the faster plan wins."""
+    def run(zero2: bool, helper, meshes):
+        _ZERO2[0] = zero2
+        try:
+            return _search(gm, meshes, hw, train, budget, time_limit_s, progress, helper=helper)
+        finally:
+            _ZERO2[0] = False
+
+    error = None
+    try:
+        best, n_solved, note = run(False, helper, candidates)
+    except InfeasibleBudgetError as exc:
+        best, n_solved, note, error = None, 0, "", exc
+    if best is not None and best.prediction.peak_memory_bytes <= 0.9 * budget:
+        # Memory is not tight. ZeRO-2 could still shorten the optimizer step a little; its ILP
+        # is too slow to try every time (6 s for gpt2 on one mesh), and the zero2 baseline
+        # catches the cases where it is faster (plan() never returns a slower plan).
+        return best, n_solved, note
+    _progress(progress, "memory is tight: searching again with ZeRO-2 (split gradients and optimizer state)")
+    meshes = candidates
+    try:
+        again, n_again, note_again = run(True, None, meshes)
+    except InfeasibleBudgetError:
+        if best is None:
+            raise error
+        return best, n_solved, note
+    if best is None or (again is not None and again.prediction.step_seconds < best.prediction.step_seconds):
+        return again, n_solved + n_again, note_again
+    return best, n_solved + n_again, note
 
 
 _BASELINE_FAMILIES = ("dp", "zero2", "zero3", "megatron", "megatron-sp", "megatron-dp")
@@ -374,12 +427,12 @@ _BASELINES_WEIGHT = 4.0
 _FORKED: tuple | None = None
 
 
-def _helper_work(with_baselines: bool) -> tuple[list[_Bound], float, list[BaselineResult]]:
+def _helper_work(with_baselines: bool) -> tuple[list[_Bound], float, str, list[BaselineResult]]:
     gm, items, hw, train, budget, time_limit_s, progress, n_gpus = _FORKED
-    bounds, need = _bounds(gm, items, hw, train, budget, time_limit_s, progress)
+    bounds, need, pin_error = _bounds(gm, items, hw, train, budget, time_limit_s, progress)
     bounds = [_Bound(b.index, b.objective, b.integral) for b in bounds]  # the problems stay here
     baselines = _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) if with_baselines else []
-    return bounds, need, baselines
+    return bounds, need, pin_error, baselines
 
 
 def _fork_is_safe() -> bool:
@@ -437,7 +490,7 @@ class _Helper:
             return
         if self.pool is not None:
             try:  # a child that dies raises BrokenProcessPool here, never hangs
-                self._bounds, self._need, self._baselines = self.future.result()
+                self._bounds, self._need, self._pin_error, self._baselines = self.future.result()
                 return
             except Exception:  # a failed child: do its share here instead
                 pass
@@ -445,7 +498,7 @@ class _Helper:
                 self.close()
         gm, hw, train, budget, time_limit_s, n_gpus = self.args
         items = [(i, self.meshes_and_pins[i]) for i in sorted(self.indices)]
-        self._bounds, self._need = _bounds(gm, items, hw, train, budget, time_limit_s, False)
+        self._bounds, self._need, self._pin_error = _bounds(gm, items, hw, train, budget, time_limit_s, False)
         self._baselines = (_price_baselines(gm, n_gpus, hw, train, budget, time_limit_s)
                            if self.with_baselines else [])
 
@@ -457,9 +510,9 @@ class _Helper:
                 proc.terminate()  # a search that failed here need not wait for the child
             self.pool = None
 
-    def bounds(self) -> tuple[list[_Bound], float]:
+    def bounds(self) -> tuple[list[_Bound], float, str]:
         self._collect()
-        return list(self._bounds), self._need
+        return list(self._bounds), self._need, self._pin_error
 
     def baselines(self) -> list[BaselineResult]:
         self._collect()

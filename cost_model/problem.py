@@ -229,10 +229,13 @@ def _tensor_bytes(val: Any, train: TrainingSpec) -> float:
     return float(val.numel() * elem)
 
 
-def _param_options(node: fx.Node, strategies, mesh: MeshSpec) -> list[tuple[Strategy, tuple[int, ...]]]:
+def _param_options(node: fx.Node, strategies, mesh: MeshSpec, zero2: bool = True
+                   ) -> list[tuple[Strategy, tuple[int, ...]]]:
     options = []
     for s in strategies:
         options.append((s, ()))
+        if not zero2:
+            continue
         replicated_axes = tuple(a for a, p in enumerate(s.output.placements) if isinstance(p, Replicate)
                                 and mesh.sizes[a] > 1)
         if replicated_axes:
@@ -310,10 +313,15 @@ def _is_follower(node: fx.Node) -> bool:
 class PinError(AutoparError):
     """A pinned strategy family cannot be followed on this model and mesh."""
 
+    def __init__(self, message: str, short: str = ""):
+        super().__init__(message)
+        self.short = short or message
+
 
 class _Builder:
-    def __init__(self, gm, mesh, hw, train, pins):
+    def __init__(self, gm, mesh, hw, train, pins, zero2: bool = True):
         self.gm, self.mesh, self.hw, self.train, self.pins = gm, mesh, hw, train, pins
+        self.zero2 = zero2
         self.nodes = [n for n in gm.graph.nodes if n.meta.get(STRATEGIES_KEY)]
         self.rep, tied = _graph_memo(gm.graph, "rep", lambda: _share_blocks_and_ties(gm, self.nodes))
         self.counts: dict[str, int] = defaultdict(int)
@@ -349,7 +357,7 @@ class _Builder:
         strategies = n.meta[STRATEGIES_KEY]
         is_param = n.op == "get_attr" and str(n.target) in self.params
         if is_param:
-            options = _param_options(n, strategies, self.mesh)
+            options = _param_options(n, strategies, self.mesh, self.zero2)
         else:
             # Partial activations enter a decision only from contractions (S(k) x S(k) -> P) and
             # pass through followers; an op taking Partial activations (P + P -> P, P @ R -> P)
@@ -361,11 +369,12 @@ class _Builder:
             options = options or [(s, ()) for s in strategies]
         if self.pins is not None:
             kept = [o for o in options if self.pins(n, o)]
-            if not kept and n.op == "placeholder":
-                raise PinError(f"the strategy family cannot be followed: input {n.name} of shape "
-                               f"{tuple(n.meta['val'].shape)} cannot take the layout it asks for on mesh {self.mesh} "
-                               f"(e.g. the batch does not divide by the data-parallel size); change the batch or "
-                               f"the mesh, or use strategy='auto'")
+            if not kept and n.op == "placeholder" and getattr(self.pins, "strict", True):
+                short = (f"input {n.name} of shape {tuple(n.meta['val'].shape)} cannot take the layout the "
+                         f"strategy asks for on mesh {self.mesh}")
+                raise PinError(f"the strategy family cannot be followed: {short} (e.g. the batch does not divide "
+                               f"by the data-parallel size); change the batch or the mesh, or use strategy='auto'",
+                               short)
             options = kept or options  # an op with no such layout (e.g. no rule) runs as it can
         count = self.counts[n.name]
         seconds, memory = [], []
@@ -376,6 +385,9 @@ class _Builder:
         d = self.decisions[n.name] = Decision(n.name, n, options, seconds, memory, count, is_param)
         for i, (st, zero_axes) in enumerate(options):
             if is_param and zero_axes:
+                # ZeRO-2's reduce-scatter + all-gather replace the gradient all-reduces on its
+                # axes: the option pays for them and releases those all-reduces (the ILP's sync
+                # rows; followers' below).
                 steps = zero2_steps(n.meta["val"].numel(), st.output, zero_axes, self.mesh,
                                     self.train.activation_bytes_per_elem)
                 sec = steps_seconds(steps, self.mesh) * count
@@ -428,7 +440,8 @@ class _Builder:
                 cache[a] = (st, sec, mem, comm, fwd + bwd)
             st, sec, mem, comm, steps = cache[a]
             zero = root.options[i][1] if root.is_param else ()  # ZeRO-2 reduce-scatters these axes
-            steps = list(steps) + [x for x in self._follower_syncs(st, total, producer) if x.axis not in zero]
+            syncs = self._follower_syncs(st, total, producer)
+            steps = list(steps) + [x for x in syncs if x.axis not in zero]
             comm = sum(steps_seconds([x], self.mesh) for x in steps) if steps else 0.0
             chosen_per_option.append(st)
             root.seconds[i] += (sec + comm) * count
@@ -557,6 +570,7 @@ class _Builder:
 
 
 def build_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: TrainingSpec,
-                  pins: Pins = None) -> Problem:
-    """Price every strategy of the annotated ``gm`` (see the module docstring)."""
-    return _Builder(gm, mesh, hw, train, pins).build()
+                  pins: Pins = None, zero2: bool = True) -> Problem:
+    """Price every strategy of the annotated ``gm`` (see the module docstring). ``zero2=False``
+    leaves ZeRO-2 out of the parameters' options."""
+    return _Builder(gm, mesh, hw, train, pins, zero2).build()

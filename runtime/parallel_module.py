@@ -107,7 +107,9 @@ class ParallelModule(nn.Module):
         self.__dict__["_variants"] = {}
         self.plan = plan
         self._strategies = strategies
-        self._gm = gm
+        # The traced graph, for its nodes and shapes only: kept outside the module tree (not in
+        # parameters() or state_dict()), its weights swapped for meta tensors (_release_weights).
+        self.__dict__["_gm"] = gm
         self.device_mesh = device_mesh
         self._coords = coords
         self._groups = groups
@@ -316,8 +318,25 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
             _set_attr(root, target, local, is_param)
     followers = {name for name, n in plan_followers(plan).items()}
     program = lower(gm, strategies, mesh, groups, root, followers, zero2)
+    _release_weights(gm)
     relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2)
     return ParallelModule(program, plan, strategies, gm, dm, coords, groups, relower)
+
+
+def _release_weights(gm: fx.GraphModule) -> None:
+    """Rebind the traced graph's weights to meta tensors of the same shapes: each rank keeps
+    only its shards. The user's own model and its tensors are left as they were (names are
+    rebound in the graph module only; no tensor is changed)."""
+    for mod in gm.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.device.type != "meta":
+                mod._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.device.type != "meta":
+                mod._buffers[name] = torch.empty_like(b, device="meta")
+    for name, value in list(vars(gm).items()):  # constants export attaches as plain attributes
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.device.type != "meta":
+            setattr(gm, name, torch.empty_like(value, device="meta"))
 
 
 def plan_followers(plan: Plan) -> dict[str, str]:

@@ -139,7 +139,11 @@ def run_case(name: str, family: str, mesh: str | None, options: dict | None = No
     return dict(losses=losses, grads=grads, params=pm.full_state_dict(), sent=sent_per_step,
                 predicted=dict(pm.plan.comm_bytes), mesh=str(pm.plan.mesh), unknown_ops=unknown_ops,
                 strategies={n.name: n.strategy for n in pm.plan.nodes},
-                zero2_params=sum(1 for n in pm.plan.nodes if n.zero_axes))
+                zero2_params=sum(1 for n in pm.plan.nodes if n.zero_axes),
+                param_numel=sum(p.numel() for p in pm.parameters()),
+                full_numel=sum(p.numel() for p in build(name)[0].parameters()),
+                param_devices=sorted({p.device.type for p in pm.parameters()}),
+                state_keys=sorted(pm.state_dict()))
 
 
 def case_key(case) -> str:

@@ -105,6 +105,11 @@ def test_parallel_run_equals_single_process_and_bytes_match_plan(launch, world_c
     for k, p in params.items():
         if k in r["params"]:
             torch.testing.assert_close(r["params"][k], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"param {k}: {m}")
+    # the optimizer sees this rank's shards only: nothing meta, no second copy of the model
+    assert r["param_devices"] == ["cpu"] and not any(k.startswith("_gm") for k in r["state_keys"])
+    assert r["param_numel"] <= r["full_numel"]
+    if family in ("zero2", "zero3"):
+        assert r["param_numel"] < r["full_numel"] * 0.75, (r["param_numel"], r["full_numel"])
     for step, sent in enumerate(r["sent"]):
         assert sent == pytest.approx(r["predicted"]), (step, sent, r["predicted"])
     report_line(f"runtime {world} ranks {case_key(case).replace('/None', '')}: mesh {r['mesh']}, bytes/step "
