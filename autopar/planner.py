@@ -195,15 +195,13 @@ class _Solved:
     prediction: Prediction
 
 
-def _prepare(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: TrainingSpec, pin: Pin | None) -> Problem:
+def _prepare(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: TrainingSpec, pin: Pin | None,
+             zero2: bool = False) -> Problem:
     annotate(gm, mesh)
-    # ZeRO-2 options enter the search when memory asks for them (plan(): _ZERO2[0]) or a family
+    # ZeRO-2 options enter the search when memory asks for them (_search_with_zero2) or a family
     # pins them: releasing gradient all-reduces makes the LP relaxation fractional (gpt2 on 8:
     # 3 ILPs and 37 s instead of one integral LP in 2 s).
-    return build_problem(gm, mesh, hw, train, pin, zero2=_ZERO2[0] or getattr(pin, "zero2", False))
-
-
-_ZERO2 = [False]
+    return build_problem(gm, mesh, hw, train, pin, zero2=zero2 or getattr(pin, "zero2", False))
 
 
 def _solve(problem: Problem, budget: float | None, time_limit_s: float) -> _Solved:
@@ -231,13 +229,14 @@ class _Bound:
     lp: SolveResult | None = None
 
 
-def _bounds(gm, items, hw, train, budget, time_limit_s, progress) -> tuple[list[_Bound], float, str]:
+def _bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: bool = False
+            ) -> tuple[list[_Bound], float, str]:
     """LP bounds of the meshes ``items`` ((index, (mesh, pin)) pairs), the least memory any
     infeasible one needs, and why a mesh could not follow its pinned family ("" if none)."""
     out, need, pin_error = [], math.inf, ""
     for index, (mesh, pin) in items:
         try:
-            problem = _prepare(gm, mesh, hw, train, pin)
+            problem = _prepare(gm, mesh, hw, train, pin, zero2)
         except PinError as exc:  # e.g. a 3-axis mesh whose data axis exceeds the batch
             _progress(progress, f"mesh {mesh}: skipped ({exc.short})")
             pin_error = str(exc)
@@ -254,13 +253,14 @@ def _bounds(gm, items, hw, train, budget, time_limit_s, progress) -> tuple[list[
 
 
 def _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_ilps: int = 3,
-            helper: "_Helper | None" = None) -> tuple[_Solved | None, int, str]:
+            helper: "_Helper | None" = None, zero2: bool = False) -> tuple[_Solved | None, int, str]:
     """Exact search over meshes: LP bounds first, then ILPs in bound order (module doc). An
     integral LP solution is already the ILP optimum of its mesh and needs no ILP. A
-    ``helper`` process bounds some of the meshes meanwhile (``_Helper``)."""
+    ``helper`` process bounds some of the meshes meanwhile (``_Helper``, never with ``zero2``:
+    parameters' ZeRO-2 options, see ``_search_with_zero2``)."""
     remote = helper.indices if helper is not None else frozenset()
     items = [(i, mp) for i, mp in enumerate(meshes_and_pins) if i not in remote]
-    bounded, infeasible_need, pin_error = _bounds(gm, items, hw, train, budget, time_limit_s, progress)
+    bounded, infeasible_need, pin_error = _bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2)
     if helper is not None:
         more, need, helper_pin_error = helper.bounds()
         bounded += more
@@ -281,7 +281,7 @@ def _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_
                     f"{b.objective * 1e3:.3f} ms (a bound, not a plan)")
             break
         if b.problem is None:  # bounded by the helper: build it here (same inputs, same problem)
-            b.problem = _prepare(gm, mesh, hw, train, pin)
+            b.problem = _prepare(gm, mesh, hw, train, pin, zero2)
             b.lp = solve(b.problem, budget, time_limit_s=time_limit_s, relax=True)
         problem, lp = b.problem, b.lp
         if lp.integral:
@@ -373,11 +373,7 @@ def _search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress
     """The mesh search without ZeRO-2 options, then, where memory is tight (no plan fits, or the
     best one uses over 90% of the budget), again with them; the faster plan wins."""
     def run(zero2: bool, helper, meshes):
-        _ZERO2[0] = zero2
-        try:
-            return _search(gm, meshes, hw, train, budget, time_limit_s, progress, helper=helper)
-        finally:
-            _ZERO2[0] = False
+        return _search(gm, meshes, hw, train, budget, time_limit_s, progress, helper=helper, zero2=zero2)
 
     error = None
     try:

@@ -14,6 +14,7 @@ Every call adds the bytes this rank sends, by the ring algorithm
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator
@@ -115,6 +116,15 @@ def _all_reduce(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     return out
 
 
+def _reduce_scatter(x: torch.Tensor, dim: int, g: AxisGroup) -> torch.Tensor:
+    x = x.contiguous()
+    COUNTER.add("reduce_scatter", _nbytes(x), g.size)
+    parts = [p.contiguous() for p in x.chunk(g.size, dim=dim)]
+    out = torch.empty_like(parts[g.rank])
+    dist.reduce_scatter(out, parts, group=g.group)
+    return out
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, g):
@@ -153,11 +163,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, average, g):
         ctx.dim, ctx.average, ctx.g = dim, average, g
-        x = x.contiguous()
-        COUNTER.add("reduce_scatter", _nbytes(x), g.size)
-        parts = [p.contiguous() for p in x.chunk(g.size, dim=dim)]
-        out = torch.empty_like(parts[g.rank])
-        dist.reduce_scatter(out, parts, group=g.group)
+        out = _reduce_scatter(x, dim, g)
         return out / g.size if average else out
 
     @staticmethod
@@ -261,16 +267,19 @@ def _padded(numel: int, k: int) -> int:
     return -(-numel // k) * k
 
 
+def _flat_padded(t: torch.Tensor, groups: "list[AxisGroup]") -> torch.Tensor:
+    """``t`` flattened and zero-padded to a multiple of the groups' product."""
+    k = math.prod(g.size for g in groups)
+    flat = t.reshape(-1)
+    return torch.cat([flat, flat.new_zeros(_padded(flat.numel(), k) - flat.numel())])
+
+
 def zero2_shard(local: torch.Tensor, groups: "list[AxisGroup]") -> torch.Tensor:
     """This rank's piece of ``local`` flattened and padded (pieces ordered outer axis first)."""
-    k = 1
     index = 0
     for g in groups:
         index = index * g.size + g.rank
-        k *= g.size
-    flat = local.reshape(-1)
-    flat = torch.cat([flat, flat.new_zeros(_padded(flat.numel(), k) - flat.numel())])
-    return flat.chunk(k)[index].clone()
+    return _flat_padded(local, groups).chunk(math.prod(g.size for g in groups))[index].clone()
 
 
 def zero2_unshard(piece: torch.Tensor, shape, groups: "list[AxisGroup]") -> torch.Tensor:
@@ -284,22 +293,14 @@ def zero2_unshard(piece: torch.Tensor, shape, groups: "list[AxisGroup]") -> torc
 class _Zero2Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, piece, shape, groups):
-        ctx.groups, ctx.numel = groups, piece.numel()
+        ctx.groups = groups
         return zero2_unshard(piece, shape, groups)
 
     @staticmethod
     def backward(ctx, grad):
-        flat = grad.reshape(-1)
-        k = 1
-        for g in ctx.groups:
-            k *= g.size
-        flat = torch.cat([flat, flat.new_zeros(ctx.numel * k - flat.numel())])
+        flat = _flat_padded(grad, ctx.groups)
         for g in ctx.groups:  # outermost axis first, as zero2_shard orders the pieces
-            COUNTER.add("reduce_scatter", _nbytes(flat), g.size)
-            parts = [p.contiguous() for p in flat.chunk(g.size)]
-            out = torch.empty_like(parts[g.rank])
-            dist.reduce_scatter(out, parts, group=g.group)
-            flat = out
+            flat = _reduce_scatter(flat, 0, g)
         return flat, None, None
 
 
