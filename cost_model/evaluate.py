@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .comm import bytes_sent_per_rank
+from .comm import bytes_sent_per_rank, collective_s
+from .fsdp_pricing import fsdp_fusions
 from .problem import Problem
 from .reshard import reshard_steps
 
@@ -57,10 +58,16 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
         fwd, bwd = reshard_steps(a, b, e.total_bytes, mesh, e.needs_grad)
         for step in fwd + bwd:
             sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * e.count
+    fused, regathers = fsdp_fusions(problem, choice)  # ZeRO-3 as runtime.fsdp runs it
+    for step, count in regathers:
+        comm_s += collective_s(step.collective, step.nbytes, mesh.sizes[step.axis], mesh.links[step.axis]) * count
+        sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * count
     for g in problem.syncs:
         if g.param and g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
             continue  # ZeRO-2 reduce-scatters this gradient (its steps are the parameter's)
         if any(choice[k] == i for k, i in g.triggers):
-            comm_s += g.seconds
-            sent["all_reduce"] += bytes_sent_per_rank("all_reduce", g.nbytes, mesh.sizes[g.axis]) * g.count
+            kind = "reduce_scatter" if (g.tensor, g.axis, g.layout) in fused else "all_reduce"
+            n, link = mesh.sizes[g.axis], mesh.links[g.axis]
+            comm_s += g.seconds if kind == "all_reduce" else collective_s(kind, g.nbytes, n, link) * g.count
+            sent[kind] += bytes_sent_per_rank(kind, g.nbytes, n) * g.count
     return Prediction(node_s + comm_s, node_s, comm_s, params_b, acts_b, dict(sent))

@@ -89,6 +89,8 @@ class EdgeTerm:
     count: int = 1
     total_bytes: float = 0.0
     needs_grad: bool = False
+    tensor: str = ""  # the tensor moved, as SyncTerm.tensor names it (ZeRO-3 pricing: cost_model/fsdp_pricing.py)
+    input_index: int = -1  # which tensor input of the consumer it is
 
 
 @dataclass
@@ -104,6 +106,7 @@ class SyncTerm:
     # The parameter decision whose gradient this is (the tensor is the parameter or a follower
     # of it), or "": a ZeRO-2 option of that parameter on ``axis`` reduce-scatters it instead.
     param: str = ""
+    layout: Layout | None = None  # the consumer's layout of the tensor (replicated on ``axis``)
 
 
 @dataclass
@@ -116,6 +119,7 @@ class Problem:
     counts: dict[str, int] = field(default_factory=dict)
     # Followers: node name -> (root decision key, per root option: (strategy of the node, its output layouts))
     followers: dict[str, tuple[str, list[Strategy]]] = field(default_factory=dict)
+    needs_grad: dict[str, bool] = field(default_factory=dict)  # node name -> it needs a gradient
 
     def strategy_of(self, name: str, choice: dict[str, int]) -> Strategy:
         """The strategy node ``name`` runs under a solved ``choice``."""
@@ -492,7 +496,8 @@ class _Builder:
                 self.add_root(n)
         self.add_outputs()
         edges, syncs = self.edges_and_syncs()
-        return Problem(self.mesh, self.decisions, edges, syncs, self.rep, dict(self.counts), self.followers)
+        return Problem(self.mesh, self.decisions, edges, syncs, self.rep, dict(self.counts), self.followers,
+                       self.needs)
 
     def edges_and_syncs(self):
         edge_acc: dict[tuple, EdgeTerm] = {}
@@ -521,7 +526,8 @@ class _Builder:
                         for b in dict.fromkeys(consumer_layouts):
                             seconds[(a, b)] = reshard_seconds(a, b, total, self.mesh, grad)
                     edge_acc[key] = EdgeTerm(ukey, vkey, producer_layouts, consumer_layouts, seconds,
-                                             total_bytes=total, needs_grad=grad)
+                                             total_bytes=total, needs_grad=grad,
+                                             tensor=f"{self.rep[u.name]}[{out_idx}]", input_index=k)
                     edge_syncs[key] = (self.add_syncs(sync_acc, (self.rep[u.name], out_idx), dv, k, total)
                                        if grad else [])
                 for skey in edge_syncs[key]:
@@ -563,7 +569,7 @@ class _Builder:
                     seconds = all_reduce_s(local, mesh.sizes[a], mesh.links[a])
                     root = self.followers[tensor[0]][0] if tensor[0] in self.followers else tensor[0]
                     param = root if root in self.decisions and self.decisions[root].is_param else ""
-                    acc[skey] = SyncTerm(f"{tensor[0]}[{tensor[1]}]", a, seconds, [], local, 1, param)
+                    acc[skey] = SyncTerm(f"{tensor[0]}[{tensor[1]}]", a, seconds, [], local, 1, param, layout)
                 acc[skey].triggers.append((dv.key, i))
                 touched[skey] = None
         return list(touched)

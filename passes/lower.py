@@ -22,11 +22,15 @@ from autopar.cost_model.problem import _requires_grad, partial_grad_axes
 from autopar.cost_model.reshard import transitions
 from autopar.mesh import MeshSpec
 from autopar.runtime import collectives as C
+from autopar.runtime import fsdp as F
 from autopar.strategy import REPLICATE_CODE, PARTIAL_AVG_CODE, Layout, Replicate, Strategy
 
+from .defer_sync import ParamUse, defer_param_syncs, fsdp_axis
 from .rules import get_rule, has_rule, tensor_leaves
 
-__all__ = ["lower"]
+__all__ = ["lower", "DEFERRED_KEY"]
+
+DEFERRED_KEY = "autopar_deferred_grad_syncs"
 
 
 def _is_tensor_node(x: Any) -> bool:
@@ -36,8 +40,10 @@ def _is_tensor_node(x: Any) -> bool:
 class _Lowering:
     def __init__(self, gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec,
                  groups: Sequence[C.AxisGroup], followers: set[str], zero2: dict[str, tuple[int, ...]],
-                 root: torch.nn.Module, local_inputs: bool = False, local_outputs: bool = False):
+                 root: torch.nn.Module, local_inputs: bool = False, local_outputs: bool = False,
+                 defer_grad_sync: bool = False):
         self.local_inputs, self.local_outputs = local_inputs, local_outputs
+        self.defer, self.deferred = defer_grad_sync, {}
         self.gm, self.strategies, self.mesh = gm, strategies, mesh
         self.groups = C.register_axes(list(groups))  # string keys: printable in the generated code
         self.followers = followers
@@ -49,14 +55,17 @@ class _Lowering:
         self.layouts: dict[str, tuple[Layout, ...]] = {}
         self.needs = _requires_grad(gm)
         self.synced: dict[tuple, fx.Node] = {}
+        self.param_uses: dict[str, list[ParamUse]] = {}  # parameter node -> its uses (passes/defer_sync.py)
 
     def call(self, fn: Callable, *args) -> fx.Node:
         return self.graph.call_function(fn, args)
 
-    def reshard(self, value: fx.Node, src: Layout, dst: Layout, ndim: int) -> fx.Node:
+    def reshard(self, value: fx.Node, src: Layout, dst: Layout, ndim: int, fsdp: int | None = None) -> fx.Node:
         for t in transitions(src, dst):
             g = self.groups[t.axis]
-            if t.kind == "all_gather":
+            if t.kind == "all_gather" and t.axis == fsdp:  # ZeRO-3: its backward reduce-scatters (defer_sync)
+                value = self.call(F.fsdp_gather, value, t.src % ndim, g)
+            elif t.kind == "all_gather":
                 value = self.call(C.all_gather, value, t.src % ndim, g)
             elif t.kind == "slice":
                 value = self.call(C.local_slice, value, t.dst % ndim, g)
@@ -74,11 +83,13 @@ class _Lowering:
         src = self.layouts[producer.name][0]
         dst = strategy.inputs[k]
         ndim = producer.meta["val"].dim()
-        value = self.reshard(self.env[producer.name], src, dst, ndim)
         if not self.needs.get(producer.name, False):
-            return value
+            return self.reshard(self.env[producer.name], src, dst, ndim)
         split = partial_grad_axes(strategy, self.mesh)
-        zero = self.zero2.get(self.param_root(producer), ())
+        root = self.param_root(producer)
+        zero = self.zero2.get(root, ())
+        fsdp = fsdp_axis(src, dst, split, zero) if root and node.name not in self.followers else None
+        value = self.reshard(self.env[producer.name], src, dst, ndim, fsdp)
         if zero and node.name not in self.followers:
             # ZeRO-2's reduce-scatter sums the gradient over its axes: where this use leaves it
             # whole (replicated work, or a slice whose backward gathers), it enters divided by n.
@@ -89,13 +100,18 @@ class _Lowering:
         # keep their own, as the cost model prices them.
         owner = node.name if node.name in self.followers else ""
         done: tuple[int, ...] = ()
+        syncs = []
         for a in split:
             if dst.codes[a] != REPLICATE_CODE or a in zero:  # ZeRO-2 reduce-scatters it instead
                 continue
             key = (producer.name, dst, done + (a,), owner)
-            if key not in self.synced:
-                self.synced[key] = self.call(C.grad_sync, value, self.groups[a])
+            if key not in self.synced:  # (a fused ZeRO-3 gather reduce-scatters on its own axis)
+                self.synced[key] = value if a == fsdp else self.call(C.grad_sync, value, self.groups[a])
             value, done = self.synced[key], done + (a,)
+            syncs.append(self.synced[key])
+        if root:
+            self.param_uses.setdefault(root, []).append(ParamUse(
+                node.name, node.name in self.followers, tuple(syncs), bool(transitions(src, dst))))
         return value
 
     def param_root(self, producer: fx.Node) -> str:
@@ -122,6 +138,8 @@ class _Lowering:
     def run(self) -> fx.Graph:
         for node in self.gm.graph.nodes:
             getattr(self, f"do_{node.op}")(node)
+        if self.defer:
+            self.deferred = defer_param_syncs(self.gm, self.graph, self.param_uses, self.param_root, self.groups)
         return self.graph
 
     def do_placeholder(self, node: fx.Node) -> None:
@@ -189,14 +207,20 @@ class _Lowering:
 def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, groups: Sequence[C.AxisGroup],
           root: torch.nn.Module, followers: set[str] = frozenset(),
           zero2: dict[str, tuple[int, ...]] | None = None, local_inputs: bool = False,
-          local_outputs: bool = False) -> fx.GraphModule:
+          local_outputs: bool = False, defer_grad_sync: bool = False) -> fx.GraphModule:
     """The per-rank program of ``gm`` (see module doc). ``root`` holds the local parameter
     shards under the graph's ``get_attr`` targets; ``followers`` names the nodes the planner
     folded into their producer's decision (they keep their own gradient syncs); ``zero2`` maps
     ZeRO-2 parameter nodes to their zero axes (``root`` holds their flat pieces);
     ``local_inputs=True`` makes a program whose inputs are already this rank's pieces, and
-    ``local_outputs=True`` one whose outputs stay cut as the plan leaves them."""
-    graph = _Lowering(gm, strategies, mesh, groups, set(followers), dict(zero2 or {}), root, local_inputs,
-                      local_outputs).run()
+    ``local_outputs=True`` one whose outputs stay cut as the plan leaves them.
+    ``defer_grad_sync=True`` leaves out the gradient all-reduces that ``runtime.grad_buckets``
+    can run bucketed and overlapped (``passes/defer_sync.py``); the program's
+    ``meta[DEFERRED_KEY]`` maps each such parameter's target to its axes' group keys."""
+    lowering = _Lowering(gm, strategies, mesh, groups, set(followers), dict(zero2 or {}), root, local_inputs,
+                         local_outputs, defer_grad_sync)
+    graph = lowering.run()
     graph.lint()
-    return fx.GraphModule(root, graph)
+    program = fx.GraphModule(root, graph)
+    program.meta[DEFERRED_KEY] = lowering.deferred
+    return program

@@ -24,12 +24,14 @@ from torch import nn
 from autopar.errors import AutoparError
 from autopar.mesh import MeshSpec
 from autopar.passes.annotate import STRATEGIES_KEY, annotate
-from autopar.passes.lower import lower
+from autopar.passes.lower import DEFERRED_KEY, lower
 from autopar.plan import Plan
 from autopar.strategy import Layout, Strategy
 from autopar.trace import graph_fingerprint, trace
 
 from . import collectives as C
+from .fsdp import regather_saved_weights
+from .grad_buckets import GradBuckets
 
 __all__ = ["parallelize", "ParallelModule"]
 
@@ -48,7 +50,10 @@ def local_shard(full: torch.Tensor, layout: Layout, coords: Sequence[int], sizes
     for code, size, c in zip(layout.codes, sizes, coords):
         if code >= 0:
             t = t.chunk(size, dim=code)[c]
-    return t.contiguous()
+    t = t.contiguous()
+    # A piece cut on dim 0 is already contiguous: a view that would keep the whole tensor's
+    # storage alive on every rank. Copy it out.
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
 def _shard_slices(shape: Sequence[int], layout: Layout, coords, sizes) -> tuple[slice, ...]:
@@ -122,12 +127,14 @@ class ParallelModule(nn.Module):
         or, with ``local_inputs=True``, each rank's own pieces as ``input_slices`` names them.
         Outputs come back whole, or with ``local_outputs=True`` as this rank's pieces
         (``output_slices``; partial sums are reduced)."""
-        if not (local_inputs or local_outputs):
-            return self.program(*args, **kwargs)
-        key = (local_inputs, local_outputs)
-        if key not in self._variants:
-            self._variants[key] = self._relower(local_inputs=local_inputs, local_outputs=local_outputs)
-        return self._variants[key](*args, **kwargs)
+        program = self.program
+        if local_inputs or local_outputs:
+            key = (local_inputs, local_outputs)
+            if key not in self._variants:
+                self._variants[key] = self._relower(local_inputs=local_inputs, local_outputs=local_outputs)
+            program = self._variants[key]
+        with regather_saved_weights():  # ZeRO-3 weights are not kept gathered for backward (runtime/fsdp.py)
+            return program(*args, **kwargs)
 
     def input_slices(self) -> list[tuple[slice, ...] | None]:
         """Per model input, the slice of the global tensor this rank uses (None: not a tensor)."""
@@ -317,10 +324,14 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
                 local = C.zero2_shard(local, [groups[a] for a in sorted(zero2[node.name])])
             _set_attr(root, target, local, is_param)
     followers = {name for name, n in plan_followers(plan).items()}
-    program = lower(gm, strategies, mesh, groups, root, followers, zero2)
+    program = lower(gm, strategies, mesh, groups, root, followers, zero2, defer_grad_sync=True)
     _release_weights(gm)
-    relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2)
-    return ParallelModule(program, plan, strategies, gm, dm, coords, groups, relower)
+    relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2, defer_grad_sync=True)
+    pm = ParallelModule(program, plan, strategies, gm, dm, coords, groups, relower)
+    # Gradient all-reduces the lowering left out run bucketed and overlapped (runtime/grad_buckets.py).
+    pm.__dict__["_grad_buckets"] = GradBuckets([(root.get_parameter(t), tuple(C._g(k) for k in keys))
+                                                for t, keys in program.meta[DEFERRED_KEY].items()])
+    return pm
 
 
 def _release_weights(gm: fx.GraphModule) -> None:

@@ -1,0 +1,58 @@
+"""What ZeRO-3 parameters send, as ``runtime.fsdp`` runs them (used by ``evaluate``).
+
+The problem prices a sharded parameter gathered for work split on the same axis as an
+all-gather (the edge) plus a gradient all-reduce (the sync). The lowering fuses the two where
+the gather is the reshard's last step (``passes.defer_sync.fsdp_axis``): the gradient is
+reduce-scattered instead of all-reduced and sliced, and every op that saved the gathered
+weight gathers it again in backward (``cost_model.saved_inputs``). Per step that is
+all-gather + all-gather + reduce-scatter, 3 Psi (N-1)/N (ZeRO paper, FACTS.md), where the
+unfused form sent 3 Psi (N-1)/N as all-gather + all-reduce; an op that saves no weight (an
+embedding) saves the second all-gather. The ILP's objective keeps the all-reduce's time,
+which equals all-gather + reduce-scatter by the ring formulas (``cost_model.comm``), so only
+the unsaved case is overpriced there, by one all-gather.
+"""
+
+from __future__ import annotations
+
+from autopar.strategy import REPLICATE_CODE, Layout
+
+from .problem import Problem, partial_grad_axes
+from .reshard import CommStep, transitions
+from .saved_inputs import saves_input
+
+__all__ = ["fsdp_axis", "fsdp_fusions"]
+
+
+def fsdp_axis(src: Layout, dst: Layout, split: tuple[int, ...], zero: tuple[int, ...]) -> int | None:
+    """The axis whose all-gather (the reshard's last step) is fused with the gradient sync on
+    that axis into a gather whose backward reduce-scatters, or None."""
+    steps = transitions(src, dst)
+    if not steps:
+        return None
+    last = steps[-1]
+    if last.kind != "all_gather" or last.axis not in split or last.axis in zero:
+        return None
+    return last.axis if dst.codes[last.axis] == REPLICATE_CODE else None
+
+
+def fsdp_fusions(problem: Problem, choice: dict[str, int]) -> tuple[set[tuple], list[tuple[CommStep, int]]]:
+    """(the syncs run as reduce-scatters, keyed (tensor, axis, layout); the backward all-gathers
+    of saved weights, with their counts) under ``choice``."""
+    mesh = problem.mesh
+    fused: set[tuple] = set()
+    regathers: list[tuple[CommStep, int]] = []
+    for e in problem.edges:
+        producer = problem.decisions[e.producer]
+        if not (e.needs_grad and producer.is_param and e.tensor):
+            continue
+        a = e.producer_layouts[choice[e.producer]]
+        b = e.consumer_layouts[choice[e.consumer]]
+        consumer = problem.decisions[e.consumer]
+        st, _ = consumer.options[choice[e.consumer]]
+        axis = fsdp_axis(a, b, partial_grad_axes(st, mesh), producer.options[choice[e.producer]][1])
+        if axis is None:
+            continue
+        fused.add((e.tensor, axis, b))
+        if saves_input(consumer.node, e.input_index, problem.needs_grad):
+            regathers.append((CommStep("all_gather", axis, e.total_bytes * b.local_fraction(mesh)), e.count))
+    return fused, regathers

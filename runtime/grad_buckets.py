@@ -1,0 +1,157 @@
+"""Bucketed, overlapped gradient all-reduce for replicated parameters (what DDP's reducer does).
+
+The lowering (``passes/defer_sync.py``) takes a parameter's gradient all-reduce out of the
+program where that is exact: every gradient contribution to the parameter passes through the
+same ``grad_sync`` steps and nothing else. Such a parameter's sync is run here instead:
+
+* a hook on the parameter receives its whole fresh gradient (all uses summed, before it is
+  accumulated into ``.grad``) and copies it into its slot of a flat bucket;
+* buckets (``bucket_bytes``, the first one ``first_bucket_bytes``, as DDP sizes them) are
+  filled in reverse order of the parameters (the order backward produces their gradients) and
+  launched as asynchronous all-reduces strictly in bucket order, so every rank issues the
+  same collectives in the same order whatever order the hooks fire in;
+* an autograd-engine callback at the end of backward waits for them all (running the further
+  axes of a parameter synced over several mesh axes) and writes the sums into ``.grad``, so
+  a plain ``loss.backward(); opt.step()`` sees synchronized gradients.
+
+Accumulation across backward calls stays exact: when ``.grad`` already holds a value the hook
+lets zeros accumulate and the callback adds the reduced gradient; otherwise it copies it.
+
+Bytes: each parameter adds the bytes of its own all-reduce per axis to the byte counter, so
+the counts equal the per-tensor all-reduces the plan predicts; a bucket is one call of the
+summed size, which sends the same bytes in fewer calls.
+
+Written by hand: DDP's reducer works on a whole module over one process group; here each
+parameter may be synced over its own mesh axes, and only the parameters the plan leaves
+replicated there take part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collectives import COUNTER, AxisGroup
+
+__all__ = ["GradBuckets", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
+DEFAULT_FIRST_BUCKET_BYTES = 1 * 2**20  # DDP's first bucket: start communicating early
+
+
+@dataclass
+class _Bucket:
+    axes: tuple[AxisGroup, ...]
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    flat: torch.Tensor | None = None
+    ready: dict[int, bool] = field(default_factory=dict)  # param index -> .grad was empty (copy, not add)
+    work: object = None
+    launched: bool = False
+
+
+class GradBuckets:
+    """Hooks on ``params`` (forward order), each synced over its ``axes`` (see module doc)."""
+
+    def __init__(self, params: Sequence[tuple[torch.nn.Parameter, tuple[AxisGroup, ...]]],
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES):
+        self.buckets: list[_Bucket] = []
+        self.slot: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, index in bucket)
+        open_by_key: dict[tuple, int] = {}
+        for p, axes in reversed(list(params)):
+            if id(p) in self.slot:
+                continue
+            key = (tuple(g.name for g in axes), p.dtype, p.device)
+            b = open_by_key.get(key)
+            if b is None:
+                b = open_by_key[key] = len(self.buckets)
+                self.buckets.append(_Bucket(tuple(axes)))
+            bucket = self.buckets[b]
+            self.slot[id(p)] = (b, len(bucket.params))
+            bucket.params.append(p)
+            bucket.offsets.append(bucket.numel)
+            bucket.numel += p.numel()
+            cap = first_bucket_bytes if b == 0 else bucket_bytes
+            if bucket.numel * p.element_size() >= cap:
+                del open_by_key[key]  # full: the next parameter of this kind opens a new bucket
+        self._next = 0  # buckets launch in index order
+        self._armed = False
+        # Buckets of the last backward launched from a hook, i.e. while backward still ran
+        # (the rest launch in the end-of-backward callback): how much communication overlaps.
+        self.launched_during_backward = 0
+        self._early = 0
+        unique = {id(p): p for p, _ in params}
+        self.handles = [p.register_hook(self._hook(p)) for p in unique.values()]
+
+    def _hook(self, p: torch.nn.Parameter):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            return self._on_grad(p, grad)
+        return hook
+
+    def _on_grad(self, p: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        if not self._armed:
+            self._armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        b, i = self.slot[id(p)]
+        bucket = self.buckets[b]
+        if bucket.flat is None:
+            bucket.flat = torch.empty(bucket.numel, dtype=p.dtype, device=p.device)
+        off = bucket.offsets[i]
+        bucket.flat[off:off + p.numel()].copy_(grad.reshape(-1))
+        fresh = p.grad is None
+        bucket.ready[i] = fresh
+        for g in bucket.axes:
+            COUNTER.add("all_reduce", p.numel() * p.element_size(), g.size)
+        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(
+                self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+            self._early += 1
+        # The synchronized gradient lands in .grad at the end of backward (_finish).
+        return grad if fresh else torch.zeros_like(grad)
+
+    @staticmethod
+    def _launch(bucket: _Bucket) -> None:
+        bucket.work = dist.all_reduce(bucket.flat, group=bucket.axes[0].group, async_op=True)
+        bucket.launched = True
+
+    def _finish(self) -> None:
+        self._armed = False
+        try:
+            for bucket in self.buckets[self._next:]:
+                if len(bucket.ready) == len(bucket.params):
+                    self._launch(bucket)
+                elif bucket.ready:  # some parameters got no gradient this time: their slots are not sent
+                    for i in sorted(bucket.ready):
+                        off = bucket.offsets[i]
+                        dist.all_reduce(bucket.flat[off:off + bucket.params[i].numel()], group=bucket.axes[0].group)
+            for bucket in self.buckets:
+                if bucket.launched:
+                    bucket.work.wait()
+                for g in bucket.axes[1:]:  # further mesh axes of the same sum, after the first
+                    if len(bucket.ready) == len(bucket.params):
+                        dist.all_reduce(bucket.flat, group=g.group)
+                        continue
+                    for i in sorted(bucket.ready):
+                        off = bucket.offsets[i]
+                        dist.all_reduce(bucket.flat[off:off + bucket.params[i].numel()], group=g.group)
+                for i, fresh in bucket.ready.items():
+                    p, off = bucket.params[i], bucket.offsets[i]
+                    summed = bucket.flat[off:off + p.numel()].view_as(p)
+                    if fresh:
+                        p.grad.copy_(summed)
+                    else:
+                        p.grad.add_(summed)
+        finally:
+            self.launched_during_backward, self._early = self._early, 0
+            self._next = 0
+            for bucket in self.buckets:
+                bucket.ready, bucket.work, bucket.launched = {}, None, False
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
