@@ -40,6 +40,7 @@ from autopar.passes.annotate import STRATEGIES_KEY
 from autopar.passes.rules import tensor_leaves
 from autopar.strategy import REPLICATE_CODE, Layout, Strategy
 
+from .buckets import bucketed_all_reduce_s
 from .comm import all_reduce_s
 from .costs import TrainingSpec, activation_bytes, compute_seconds, param_state_bytes
 from .hardware import Hardware
@@ -566,9 +567,10 @@ class _Builder:
                 skey = (tensor, a, layout)
                 if skey not in acc:
                     local = total * layout.local_fraction(mesh)
-                    seconds = all_reduce_s(local, mesh.sizes[a], mesh.links[a])
                     root = self.followers[tensor[0]][0] if tensor[0] in self.followers else tensor[0]
                     param = root if root in self.decisions and self.decisions[root].is_param else ""
+                    # a parameter's gradient is all-reduced in a bucket (runtime/grad_buckets.py)
+                    seconds = (bucketed_all_reduce_s if param else all_reduce_s)(local, mesh.sizes[a], mesh.links[a])
                     acc[skey] = SyncTerm(f"{tensor[0]}[{tensor[1]}]", a, seconds, [], local, 1, param, layout)
                 acc[skey].triggers.append((dv.key, i))
                 touched[skey] = None

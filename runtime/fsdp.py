@@ -32,7 +32,7 @@ from .collectives import COUNTER, AxisGroup, _g
 
 __all__ = ["fsdp_gather", "regather_saved_weights"]
 
-# storage address of a live gathered weight -> (weak ref to it, shard, dim, group)
+# storage address of a live gathered weight -> (weak ref to its base tensor, shard, dim, group)
 _GATHERED: dict[int, tuple] = {}
 
 
@@ -41,34 +41,121 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _Gather:
+    """An all-gather along ``dim`` launched now (asynchronously), into one buffer laid out with
+    ``dim`` outermost: a linear weight's transposed shard gathers with no copy, and the result
+    is a view of the buffer."""
+
+    def __init__(self, shard: torch.Tensor, dim: int, g: AxisGroup):
+        self.front = shard.detach().movedim(dim, 0).contiguous()  # a view for a transposed contiguous shard
+        self.out = self.front.new_empty((self.front.shape[0] * g.size, *self.front.shape[1:]))
+        self.work = _all_gather_single(self.out, self.front, group=g.group, async_op=True)
+        self.dim = dim
+        COUNTER.add("all_gather", self.out.numel() * self.out.element_size(), g.size)
+
+    def result(self) -> torch.Tensor:
+        self.work.wait()
+        self.front = None
+        return self.out.movedim(0, self.dim)
+
+
 def _gather(shard: torch.Tensor, dim: int, g: AxisGroup) -> torch.Tensor:
-    """All-gather along ``dim`` into one buffer laid out with ``dim`` outermost: a linear
-    weight's transposed shard gathers with no copy, and the result is a view of the buffer."""
-    front = shard.movedim(dim, 0).contiguous()  # a view when the shard is a transposed contiguous tensor
-    out = front.new_empty((front.shape[0] * g.size, *front.shape[1:]))
-    _all_gather_single(out, front, group=g.group)
-    COUNTER.add("all_gather", out.numel() * out.element_size(), g.size)
-    return out.movedim(0, dim)
+    return _Gather(shard, dim, g).result()
 
 
-def _reduce_scatter(grad: torch.Tensor, dim: int, g: AxisGroup) -> torch.Tensor:
-    """Sum over the axis, keep this rank's piece along ``dim`` (one buffer, ``dim`` outermost)."""
+def _param_of(shard: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """The parameter (a leaf) that ``shard`` is a view of with ``dim`` moved to the front, if
+    so: then the gather can be launched from the parameter alone (prefetch), and the gradient
+    of the shard is the parameter's."""
+    base = shard if shard._base is None else shard._base
+    front = shard.movedim(dim, 0)
+    if (base.is_leaf and base.requires_grad and front.shape == base.shape and front.stride() == base.stride()
+            and front.data_ptr() == base.data_ptr()):
+        return base
+    return None
+
+
+# --- prefetch: the next gather starts while the current weight is in use ----------------------
+# Forward: the order of gathers in the previous forward of the same program is the schedule;
+# gather i launches gather i+1 (one weight ahead, as FSDP2 prefetches one module ahead). Every
+# rank runs the same program, so every rank launches the same collectives in the same order.
+
+
+class _Schedule:
+    def __init__(self) -> None:
+        self.last: list = []  # (param, dim, group) or None, per gather of the previous forward
+        self.now: list = []
+        self.pending: dict[int, tuple] = {}  # index -> (param, dim, group, _Gather)
+
+    def gather(self, shard: torch.Tensor, dim: int, g: AxisGroup) -> torch.Tensor:
+        i = len(self.now)
+        param = _param_of(shard, dim)
+        self.now.append((param, dim, g) if param is not None else None)
+        hit = self.pending.pop(i, None)
+        if hit is not None and hit[0] is param and hit[1] == dim and hit[2] is g:
+            full = hit[3].result()
+        else:
+            if hit is not None:
+                hit[3].result()  # launched on every rank: finish it, then do what the program asks
+            full = _gather(shard, dim, g)
+        nxt = self.last[i + 1] if i + 1 < len(self.last) else None
+        if nxt is not None and i + 1 not in self.pending:
+            p, d, grp = nxt
+            self.pending[i + 1] = (p, d, grp, _Gather(p.movedim(0, d), d, grp))
+        return full
+
+    def end(self) -> None:
+        for *_, launch in self.pending.values():
+            launch.result()
+        self.pending.clear()
+        self.last, self.now = self.now, []
+
+
+_SCHEDULES: dict[int, _Schedule] = {}
+_ACTIVE: list[_Schedule] = []
+
+
+# --- gradients: reduce-scatters launched in backward, waited for at its end ---------------------
+_GRADS: list[tuple] = []  # (param, output buffer, work, input kept alive)
+
+
+def _finish_grads() -> None:
+    pending = list(_GRADS)
+    _GRADS.clear()
+    for param, out, work, _ in pending:
+        work.wait()
+        if param.grad is None:
+            param.grad = out
+        else:
+            param.grad.add_(out)
+
+
+def _reduce_scatter(grad: torch.Tensor, dim: int, g: AxisGroup, param: torch.Tensor | None = None):
+    """Sum over the axis, keep this rank's piece along ``dim`` (one buffer, ``dim`` outermost).
+    With ``param`` (whose layout the piece has), launched asynchronously: the sum lands in
+    ``param.grad`` at the end of backward and None is returned."""
     COUNTER.add("reduce_scatter", grad.numel() * grad.element_size(), g.size)
     front = grad.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // g.size, *front.shape[1:]))
-    _reduce_scatter_single(out, front, group=g.group)
-    return out.movedim(0, dim)
+    if param is None:
+        _reduce_scatter_single(out, front, group=g.group)
+        return out.movedim(0, dim)
+    if not _GRADS:
+        torch.autograd.Variable._execution_engine.queue_callback(_finish_grads)
+    _GRADS.append((param, out, _reduce_scatter_single(out, front, group=g.group, async_op=True), front))
+    return None
 
 
 class _FsdpGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, dim, g):
         ctx.dim, ctx.g = dim, g
-        return _gather(shard, dim, g)
+        ctx.param = _param_of(shard, dim)
+        return _ACTIVE[-1].gather(shard, dim, g) if _ACTIVE else _gather(shard, dim, g)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.g), None, None
+        return _reduce_scatter(grad, ctx.dim, ctx.g, ctx.param), None, None
 
 
 def fsdp_gather(shard, dim: int, g: AxisGroup | str):
@@ -77,18 +164,36 @@ def fsdp_gather(shard, dim: int, g: AxisGroup | str):
     group = _g(g)
     full = _FsdpGather.apply(shard, dim, group)
     if torch.is_grad_enabled() and full.requires_grad:
-        _GATHERED[full.untyped_storage().data_ptr()] = (weakref.ref(full), shard, dim, group)
+        # Keyed by storage, checked by the base tensor: the program may drop ``full`` itself
+        # and pass on only views of it (a gradient sync on another axis, a transpose), and a
+        # view keeps its base alive.
+        root = full if full._base is None else full._base
+        _GATHERED[full.untyped_storage().data_ptr()] = (weakref.ref(root), shard, dim, group)
     return full
+
+
+class _Packed:
+    """The saved gathered weights of one forward, in order: backward unpacks them about in
+    reverse, and unpacking one launches the gather of the one before it."""
+
+    def __init__(self) -> None:
+        self.items: list["_Regather"] = []
 
 
 class _Regather:
     """A saved view of a gathered weight, held as its shard: gathered again on unpack."""
 
-    __slots__ = ("shard", "dim", "group", "size", "stride", "offset")
+    __slots__ = ("shard", "dim", "group", "size", "stride", "offset", "param", "packed", "index", "launch", "used")
 
-    def __init__(self, shard, dim, group, t: torch.Tensor):
+    def __init__(self, shard, dim, group, t: torch.Tensor, packed: _Packed):
         self.shard, self.dim, self.group = shard, dim, group
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.param = _param_of(shard, dim)
+        self.packed, self.index, self.launch, self.used = packed, len(packed.items), None, False
+        packed.items.append(self)
+
+
+_PACKED: list[_Packed] = []
 
 
 def _pack(t: torch.Tensor):
@@ -100,27 +205,40 @@ def _pack(t: torch.Tensor):
     if entry is None:
         return t
     ref, shard, dim, group = entry
-    full = ref()
-    if full is None or full.untyped_storage().data_ptr() != ptr:
+    root = ref()
+    if root is None:
         del _GATHERED[ptr]  # freed; the address now belongs to another tensor
         return t
-    return _Regather(shard, dim, group, t)
+    if not (t is root or t._base is root):
+        return t
+    return _Regather(shard, dim, group, t, _PACKED[-1])
 
 
 def _unpack(x):
     if not isinstance(x, _Regather):
         return x
-    with torch.no_grad():
-        full = _gather(x.shard.detach(), x.dim, x.group)
+    launch, x.launch, x.used = x.launch, None, True
+    full = launch.result() if launch is not None else _gather(x.shard, x.dim, x.group)
+    if x.index > 0:  # prefetch the one backward will most likely need next
+        prev = x.packed.items[x.index - 1]
+        if prev.launch is None and not prev.used and prev.param is not None:
+            prev.launch = _Gather(prev.param.movedim(0, prev.dim), prev.dim, prev.group)
     return full.as_strided(x.size, x.stride, x.offset)
 
 
 @contextlib.contextmanager
-def regather_saved_weights() -> Iterator[None]:
-    """Inside: ops save gathered ZeRO-3 weights as their shards (see module doc)."""
+def regather_saved_weights(key: int = 0) -> Iterator[None]:
+    """Inside: ops save gathered ZeRO-3 weights as their shards, and gathers are prefetched
+    in the order of the previous run under the same ``key`` (see module doc)."""
+    schedule = _SCHEDULES.setdefault(key, _Schedule())
+    _ACTIVE.append(schedule)
+    _PACKED.append(_Packed())
     with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
         try:
             yield
         finally:
+            _ACTIVE.pop()
+            _PACKED.pop()
+            schedule.end()
             for ptr in [p for p, (ref, *_) in _GATHERED.items() if ref() is None]:
                 del _GATHERED[ptr]

@@ -34,12 +34,16 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from autopar.cost_model.buckets import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES
+
 from .collectives import COUNTER, AxisGroup
 
 __all__ = ["GradBuckets", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES"]
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
-DEFAULT_FIRST_BUCKET_BYTES = 1 * 2**20  # DDP's first bucket: start communicating early
+# DDP's sizes (bucket_cap_mb; a small first bucket starts communication early); the cost
+# model prices buckets of this size (cost_model/buckets.py).
+DEFAULT_BUCKET_BYTES = GRAD_BUCKET_BYTES
+DEFAULT_FIRST_BUCKET_BYTES = FIRST_GRAD_BUCKET_BYTES
 
 
 @dataclass
