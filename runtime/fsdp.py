@@ -116,18 +116,25 @@ _ACTIVE: list[_Schedule] = []
 
 
 # --- gradients: reduce-scatters launched in backward, waited for at its end ---------------------
+# Each keeps its whole input gradient alive until it is done: at most _IN_FLIGHT at a time,
+# the oldest finished first (FSDP2 likewise bounds what it keeps in flight).
 _GRADS: list[tuple] = []  # (param, output buffer, work, input kept alive)
+_IN_FLIGHT = 2
+
+
+def _land(param: torch.Tensor, out: torch.Tensor, work) -> None:
+    work.wait()
+    if param.grad is None:
+        param.grad = out
+    else:
+        param.grad.add_(out)
 
 
 def _finish_grads() -> None:
     pending = list(_GRADS)
     _GRADS.clear()
     for param, out, work, _ in pending:
-        work.wait()
-        if param.grad is None:
-            param.grad = out
-        else:
-            param.grad.add_(out)
+        _land(param, out, work)
 
 
 def _reduce_scatter(grad: torch.Tensor, dim: int, g: AxisGroup, param: torch.Tensor | None = None):
@@ -143,6 +150,9 @@ def _reduce_scatter(grad: torch.Tensor, dim: int, g: AxisGroup, param: torch.Ten
     if not _GRADS:
         torch.autograd.Variable._execution_engine.queue_callback(_finish_grads)
     _GRADS.append((param, out, _reduce_scatter_single(out, front, group=g.group, async_op=True), front))
+    while len(_GRADS) > _IN_FLIGHT:
+        param, out, work, _ = _GRADS.pop(0)
+        _land(param, out, work)
     return None
 
 

@@ -67,8 +67,9 @@ def test_zero3_frees_gathered_weights_and_reduce_scatters(results, report_line):
         torch.testing.assert_close(keep["grads"][k], p.grad, rtol=1e-4, atol=1e-6)
     # gradients reduce-scattered, not all-reduced; the module's run is the one the plan prices
     assert regather["sent"] == pytest.approx(r["predicted"]) and r["predicted"].get("reduce_scatter", 0) > 0
-    # the kept variant holds every layer's whole weights through backward; the module holds
-    # a couple at a time (8 layers of 256 KiB; the shards are 64 KiB)
-    assert regather["peak"] < keep["peak"] - 0.5 * r["param_bytes"], (regather["peak"], keep["peak"])
+    # the kept variant holds every layer's whole weights (8 x 256 KiB) from forward into
+    # backward; the module holds a few whole tensors at a time (the weight in use, one
+    # prefetched, gradients in their reduce-scatter): at least two layers' worth less
+    assert regather["peak"] < keep["peak"] - 0.25 * r["param_bytes"], (regather["peak"], keep["peak"])
     report_line(f"zero3 free-and-regather: peak live bytes {regather['peak'] / 2**20:.2f} MiB vs "
                 f"{keep['peak'] / 2**20:.2f} MiB keeping gathered weights (model {r['param_bytes'] / 2**20:.2f} MiB)")
