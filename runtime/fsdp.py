@@ -14,6 +14,12 @@ again when backward unpacks it; the gathered copy is freed when the forward has 
 The cost model prices the same: an all-gather in forward, one more in backward for each
 op that saves the weight (``cost_model.saved_inputs``), and a reduce-scatter.
 
+Overlap, as FSDP2 does it: in forward each gather launches the next one (in the order the
+previous forward of the program ran them); in backward each re-gather launches the one saved
+before it; a gradient's reduce-scatter is launched asynchronously and lands in ``.grad``
+later (at most two in flight, the rest at the end of backward), for a parameter whose shard
+is the parameter itself up to a transpose (otherwise it runs blocking, through autograd).
+
 Written by hand: FSDP2 does this per module over one data mesh; here a parameter may also be
 cut by other mesh axes, and the unit is the single parameter the plan put in ZeRO-3 layout.
 """
@@ -81,6 +87,9 @@ def _param_of(shard: torch.Tensor, dim: int) -> torch.Tensor | None:
 # rank runs the same program, so every rank launches the same collectives in the same order.
 
 
+PREFETCH = 1  # gathers launched ahead of the one in use (forward and backward; FSDP2 also prefetches one)
+
+
 class _Schedule:
     def __init__(self) -> None:
         self.last: list = []  # (param, dim, group) or None, per gather of the previous forward
@@ -98,10 +107,11 @@ class _Schedule:
             if hit is not None:
                 hit[3].result()  # launched on every rank: finish it, then do what the program asks
             full = _gather(shard, dim, g)
-        nxt = self.last[i + 1] if i + 1 < len(self.last) else None
-        if nxt is not None and i + 1 not in self.pending:
-            p, d, grp = nxt
-            self.pending[i + 1] = (p, d, grp, _Gather(p.movedim(0, d), d, grp))
+        for j in range(i + 1, min(i + 1 + PREFETCH, len(self.last))):
+            nxt = self.last[j]
+            if nxt is not None and j not in self.pending:
+                p, d, grp = nxt
+                self.pending[j] = (p, d, grp, _Gather(p.movedim(0, d), d, grp))
         return full
 
     def end(self) -> None:
@@ -111,7 +121,7 @@ class _Schedule:
         self.last, self.now = self.now, []
 
 
-_SCHEDULES: dict[int, _Schedule] = {}
+_SCHEDULES: "weakref.WeakKeyDictionary[object, _Schedule]" = weakref.WeakKeyDictionary()
 _ACTIVE: list[_Schedule] = []
 
 
@@ -229,18 +239,18 @@ def _unpack(x):
         return x
     launch, x.launch, x.used = x.launch, None, True
     full = launch.result() if launch is not None else _gather(x.shard, x.dim, x.group)
-    if x.index > 0:  # prefetch the one backward will most likely need next
-        prev = x.packed.items[x.index - 1]
+    for j in range(x.index - 1, max(x.index - 1 - PREFETCH, -1), -1):  # the ones backward likely needs next
+        prev = x.packed.items[j]
         if prev.launch is None and not prev.used and prev.param is not None:
             prev.launch = _Gather(prev.param.movedim(0, prev.dim), prev.dim, prev.group)
     return full.as_strided(x.size, x.stride, x.offset)
 
 
 @contextlib.contextmanager
-def regather_saved_weights(key: int = 0) -> Iterator[None]:
+def regather_saved_weights(program: object = None) -> Iterator[None]:
     """Inside: ops save gathered ZeRO-3 weights as their shards, and gathers are prefetched
-    in the order of the previous run under the same ``key`` (see module doc)."""
-    schedule = _SCHEDULES.setdefault(key, _Schedule())
+    in the order of the previous run of the same ``program`` (see module doc)."""
+    schedule = _Schedule() if program is None else _SCHEDULES.setdefault(program, _Schedule())
     _ACTIVE.append(schedule)
     _PACKED.append(_Packed())
     with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):

@@ -133,7 +133,7 @@ class ParallelModule(nn.Module):
             if key not in self._variants:
                 self._variants[key] = self._relower(local_inputs=local_inputs, local_outputs=local_outputs)
             program = self._variants[key]
-        with regather_saved_weights(id(program)):  # ZeRO-3 weights are not kept gathered for backward (runtime/fsdp.py)
+        with regather_saved_weights(program):  # ZeRO-3 weights are not kept gathered for backward (runtime/fsdp.py)
             return program(*args, **kwargs)
 
     def input_slices(self) -> list[tuple[slice, ...] | None]:
