@@ -59,7 +59,7 @@ def _reads_only_by_ops(gm: fx.GraphModule, root_of: Callable[[fx.Node], str]) ->
 
 
 def defer_param_syncs(gm: fx.GraphModule, graph: fx.Graph, uses: dict[str, list[ParamUse]],
-                      root_of: Callable[[fx.Node], str], axis_keys: list[str]) -> dict[str, tuple[str, ...]]:
+                      root_of: Callable[[fx.Node], str]) -> dict[str, tuple[str, ...]]:
     """Remove the deferrable parameters' ``grad_sync`` chains from ``graph`` (see module doc);
     returns {parameter target: group keys of its sync axes, in order}."""
     from autopar.runtime import collectives as C

@@ -139,7 +139,7 @@ class _Lowering:
         for node in self.gm.graph.nodes:
             getattr(self, f"do_{node.op}")(node)
         if self.defer:
-            self.deferred = defer_param_syncs(self.gm, self.graph, self.param_uses, self.param_root, self.groups)
+            self.deferred = defer_param_syncs(self.gm, self.graph, self.param_uses, self.param_root)
         return self.graph
 
     def do_placeholder(self, node: fx.Node) -> None:
