@@ -99,7 +99,7 @@ def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v:
     dev_seconds, dev_memory, p2p = [], [], 0.0
     for k in range(p):
         chunks = [stages[k + j * p] for j in range(v)]
-        send = sum(p2p_s(c.send_bytes, 2, link) + p2p_s(c.send_grad_bytes, 2, link) for c in chunks)
+        send = sum(p2p_s(c.send_bytes, link) + p2p_s(c.send_grad_bytes, link) for c in chunks)
         dev_seconds.append(sum(c.seconds for c in chunks) + send)
         flight = activations_in_flight(schedule, p, m, k, v)
         dev_memory.append(sum(c.param_state_bytes + flight * c.activation_bytes for c in chunks))

@@ -36,8 +36,12 @@ def _is_tensor_node(x: Any) -> bool:
 class _Lowering:
     def __init__(self, gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec,
                  groups: Sequence[C.AxisGroup], followers: set[str], zero2: dict[str, tuple[int, ...]],
-                 root: torch.nn.Module, local_inputs: bool = False, local_outputs: bool = False):
+                 root: torch.nn.Module, local_inputs: bool = False, local_outputs: bool = False,
+                 defer_param_syncs: bool = False):
         self.local_inputs, self.local_outputs = local_inputs, local_outputs
+        # (parameter target, axis) whose gradient all-reduce the caller runs once per step
+        self.deferred: set[tuple[str, int]] = set()
+        self.defer_param_syncs = defer_param_syncs
         self.gm, self.strategies, self.mesh = gm, strategies, mesh
         self.groups = C.register_axes(list(groups))  # string keys: printable in the generated code
         self.followers = followers
@@ -49,6 +53,8 @@ class _Lowering:
         self.layouts: dict[str, tuple[Layout, ...]] = {}
         self.needs = _requires_grad(gm)
         self.synced: dict[tuple, fx.Node] = {}
+        self.targets = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+        self.single_use = _single_use_params(gm, self.followers, self.zero2) if defer_param_syncs else set()
 
     def call(self, fn: Callable, *args) -> fx.Node:
         return self.graph.call_function(fn, args)
@@ -89,8 +95,14 @@ class _Lowering:
         # keep their own, as the cost model prices them.
         owner = node.name if node.name in self.followers else ""
         done: tuple[int, ...] = ()
+        root = self.param_root(producer)
         for a in split:
             if dst.codes[a] != REPLICATE_CODE or a in zero:  # ZeRO-2 reduce-scatters it instead
+                continue
+            if root in self.single_use and not zero:
+                # its only use: the gradient arriving at the parameter is partial on this axis,
+                # so summing micro-batches first and all-reducing once per step is the same
+                self.deferred.add((self.targets[root], a))
                 continue
             key = (producer.name, dst, done + (a,), owner)
             if key not in self.synced:
@@ -186,17 +198,48 @@ class _Lowering:
         self.graph.output(pytree.tree_map(whole, node.args[0]))
 
 
+def _single_use_params(gm: fx.GraphModule, followers: set[str], zero2: dict) -> set[str]:
+    """Parameter nodes with one use (through a chain of followers such as a transpose) and no
+    tied twin: their gradient syncs can wait for the end of a step (``defer_param_syncs``)."""
+    params = {name: id(p) for name, p in gm.named_parameters(remove_duplicate=False)}
+    uses_of_tensor: dict[int, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and str(n.target) in params:
+            uses_of_tensor[params[str(n.target)]] = uses_of_tensor.get(params[str(n.target)], 0) + 1
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or str(n.target) not in params or n.name in zero2:
+            continue
+        if uses_of_tensor[params[str(n.target)]] > 1:
+            continue
+        node = n
+        while len(node.users) == 1:
+            (user,) = node.users
+            if user.name not in followers:
+                out.add(n.name)
+                break
+            node = user
+    return out
+
+
 def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, groups: Sequence[C.AxisGroup],
           root: torch.nn.Module, followers: set[str] = frozenset(),
           zero2: dict[str, tuple[int, ...]] | None = None, local_inputs: bool = False,
-          local_outputs: bool = False) -> fx.GraphModule:
+          local_outputs: bool = False, defer_param_syncs: bool = False) -> fx.GraphModule:
     """The per-rank program of ``gm`` (see module doc). ``root`` holds the local parameter
     shards under the graph's ``get_attr`` targets; ``followers`` names the nodes the planner
     folded into their producer's decision (they keep their own gradient syncs); ``zero2`` maps
     ZeRO-2 parameter nodes to their zero axes (``root`` holds their flat pieces);
     ``local_inputs=True`` makes a program whose inputs are already this rank's pieces, and
-    ``local_outputs=True`` one whose outputs stay cut as the plan leaves them."""
-    graph = _Lowering(gm, strategies, mesh, groups, set(followers), dict(zero2 or {}), root, local_inputs,
-                      local_outputs).run()
+    ``local_outputs=True`` one whose outputs stay cut as the plan leaves them.
+    ``defer_param_syncs=True`` (pipelines: one program run per micro-batch) leaves out the
+    gradient all-reduces of single-use parameters and lists them in the program's
+    ``deferred_param_syncs``; the caller all-reduces those gradients once per step."""
+    lowering = _Lowering(gm, strategies, mesh, groups, set(followers), dict(zero2 or {}), root, local_inputs,
+                         local_outputs, defer_param_syncs)
+    graph = lowering.run()
     graph.lint()
-    return fx.GraphModule(root, graph)
+    program = fx.GraphModule(root, graph)
+    # (parameter target, mesh axis): gradient all-reduces the caller runs once per step
+    program.deferred_param_syncs = sorted(lowering.deferred)
+    return program

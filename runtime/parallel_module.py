@@ -246,6 +246,10 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
     n = world if n_gpus is None else n_gpus
     if n != world:
         raise AutoparError(f"n_gpus={n} but the world size is {world}; launch {n} processes or drop n_gpus")
+    if "n_microbatches" in plan_options or "schedule" in plan_options:
+        from .pipeline import parallelize_pipeline_options  # a pinned pipeline: pp= on the mesh
+
+        return parallelize_pipeline_options(model, example_inputs, device=device, **plan_options)
     gm = trace(model, example_inputs, example_kwargs)
     if plan is None:
         text = None
@@ -263,6 +267,10 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
         the_plan = Plan.from_json(text)
     else:
         the_plan = plan if isinstance(plan, Plan) else Plan.from_json(plan)
+    if the_plan.pipeline is not None:  # stages on sub-meshes, run by a pipeline schedule: pm.step(*batch)
+        from .pipeline import parallelize_plan_pipeline
+
+        return parallelize_plan_pipeline(model, example_inputs, the_plan, device, plan_options)
     if the_plan.n_devices != world:
         raise AutoparError(f"the plan is for {the_plan.n_devices} devices but the world size is {world}; "
                            f"re-plan with autopar.plan(model, {world}, ...) or launch {the_plan.n_devices} processes")

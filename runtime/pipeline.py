@@ -24,9 +24,11 @@ What the user calls (a pipeline runs forward and backward together, so there is 
 ``step`` returns the batch's loss (the mean of the micro-batch losses, equal to the full-batch
 loss of a mean-reduced loss) on every rank, and leaves the gradients of the batch in ``.grad``.
 
-Known costs (priced by ``cost_model.pipeline`` as they run): the gradient synchronization a
-stage plan holds runs once per micro-batch (the lowered program is per micro-batch), not once per
-step; the tensors handed between stages are whole, not cut as the sub-mesh holds them.
+Gradient synchronization: a stage program runs once per micro-batch, so the lowering leaves out
+the gradient all-reduces of parameters with a single use (nearly all weights) and ``step`` runs
+them once, after the schedule (gradients summed over micro-batches first: the same result, 1/m
+of the traffic). Syncs of parameters used twice still run per micro-batch. Known cost: the
+tensors handed between stages are whole, not cut as the sub-mesh holds them.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from . import collectives as C
 from .parallel_module import (ParallelModule, _coords, _match_strategies, _release_weights, _set_attr, _zero2_axes,
                               local_shard, plan_followers)
 
-__all__ = ["parallelize_pipeline", "PipelineModule", "SCHEDULES", "saved_activation_bytes"]
+__all__ = ["parallelize_pipeline", "PipelineModule", "SCHEDULES", "saved_activation_bytes", "parallelize_plan_pipeline",
+           "parallelize_pipeline_options"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -107,10 +110,32 @@ class PipelineModule(nn.Module):
         # micro-batch to hand its loss_fn, so it gets a placeholder it splits and ignores.
         target = torch.zeros(self.n_microbatches) if last else None
         self._schedule.step(*(inputs if first else ()), target=target, losses=losses, return_outputs=False)
+        self._sync_deferred_grads()
         loss = torch.stack([x.detach() for x in losses]).mean() if last else torch.zeros(())
         # Every rank learns the loss from the rank that holds the last stage in its pipeline.
         dist.broadcast(loss, src=self._pp_ranks[-1], group=self._pp_group)
         return loss
+
+    def _sync_deferred_grads(self) -> None:
+        """The gradient all-reduces the stage programs left for the end of the step (their
+        parameters' only use is partial on the axis): once per step, not once per micro-batch."""
+        with torch.no_grad():
+            for stage in self.stages:
+                for target, axis in stage.program.deferred_param_syncs:
+                    p = stage.program.get_parameter(target)
+                    if p.grad is not None:
+                        p.grad.copy_(C._all_reduce(p.grad, stage._groups[axis]))
+
+    def deferred_sync_bytes(self) -> dict[str, float]:
+        """Bytes this rank sends for the once-per-step gradient all-reduces (ring formula)."""
+        from autopar.cost_model.comm import bytes_sent_per_rank
+
+        total = 0.0
+        for stage in self.stages:
+            for target, axis in stage.program.deferred_param_syncs:
+                p = stage.program.get_parameter(target)
+                total += bytes_sent_per_rank("all_reduce", p.numel() * p.element_size(), stage._groups[axis].size)
+        return {"all_reduce": total} if total else {}
 
     def forward(self, *args, **kwargs):
         raise AutoparError("a pipelined model runs forward and backward together: call pm.step(*batch) "
@@ -166,8 +191,8 @@ def _stage_module(gm: fx.GraphModule, plan: Plan, full: dict[str, torch.Tensor],
                 local = C.zero2_shard(local, [groups[a] for a in sorted(zero2[node.name])])
             _set_attr(root, target, local, is_param)
     followers = set(plan_followers(plan))
-    program = lower(gm, strategies, mesh, groups, root, followers, zero2)
-    relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2)
+    program = lower(gm, strategies, mesh, groups, root, followers, zero2, defer_param_syncs=True)
+    relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2, defer_param_syncs=True)
     _release_weights(gm)
     return ParallelModule(program, plan, strategies, gm, dm_sub, coords, groups, relower)
 
@@ -284,6 +309,42 @@ def parallelize_pipeline(model: nn.Module, example_inputs: Sequence[Any], *, pp:
         pipe_stages.append(PipelineStage(pm, s, n_stages, dev, input_args=ins, output_args=outs, group=pp_group))
     sched = cls(pipe_stages if v > 1 else pipe_stages[0], n_microbatches, loss_fn=_loss_of)
     return PipelineModule(modules, stage_ids, sched, plans, blocks, n_microbatches, schedule, pp_group, pp_ranks, dm)
+
+
+def parallelize_plan_pipeline(model: nn.Module, example_inputs: Sequence[Any], plan: Plan, device: str | None,
+                              plan_options: dict) -> PipelineModule:
+    """``parallelize`` with a plan that has pipeline stages: run its stages, micro-batches and
+    schedule; each stage is planned again for one micro-batch on the plan's stage mesh."""
+    info = plan.pipeline
+    world = dist.get_world_size()
+    if plan.n_devices != world:
+        raise AutoparError(f"the plan is for {plan.n_devices} devices but the world size is {world}; "
+                           f"re-plan with autopar.plan(model, {world}, ...) or launch {plan.n_devices} processes")
+    options = {k: v for k, v in plan_options.items() if k not in ("strategy", "mesh", "baselines")}
+    options.setdefault("hardware", plan.hardware)
+    return parallelize_pipeline(model, example_inputs, pp=info.n_stages, n_microbatches=info.n_microbatches,
+                                schedule=info.schedule, stage_mesh=info.stage_mesh, stage_blocks=info.stage_blocks,
+                                virtual_stages=info.virtual_stages, device=device, **options)
+
+
+def parallelize_pipeline_options(model: nn.Module, example_inputs: Sequence[Any], *, mesh: str | MeshSpec,
+                                 n_microbatches: int, schedule: str = "1f1b", device: str | None = None,
+                                 virtual_stages: int = 1, stage_blocks: Sequence[int] | None = None,
+                                 **plan_options) -> PipelineModule:
+    """``parallelize(model, example_inputs=..., mesh="pp=2,dp=2,tp=2", n_microbatches=4,
+    schedule="1f1b")``: the pipeline pinned by hand; the stages' sharding is planned."""
+    world = dist.get_world_size()
+    spec = MeshSpec.parse(mesh, world) if isinstance(mesh, str) else mesh
+    if not spec.axes or spec.axes[0] != "pp":
+        raise AutoparError(f"n_microbatches/schedule ask for a pipeline, so the mesh needs a leading pp axis, "
+                           f"e.g. mesh='pp=2,dp=2'; got {mesh!r}")
+    rest = ",".join(f"{a}={s}" for a, s in zip(spec.axes[1:], spec.sizes[1:])) or None
+    if plan_options.get("strategy") == "pp":  # the pipeline is pinned here; stages plan their own sharding
+        plan_options.pop("strategy")
+    plan_options.pop("baselines", None)
+    return parallelize_pipeline(model, example_inputs, pp=spec.sizes[0], n_microbatches=n_microbatches,
+                                schedule=schedule, stage_mesh=rest, stage_blocks=stage_blocks,
+                                virtual_stages=virtual_stages, device=device, **plan_options)
 
 
 @contextlib.contextmanager
