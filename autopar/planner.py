@@ -310,11 +310,12 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
          hardware: str | Hardware = "a100-80gb", mesh: str | MeshSpec | None = None, strategy: str = "auto",
          memory_budget_bytes: float | None = None, optimizer: str = "adamw", mixed_precision: bool | None = None,
          example_kwargs: dict | None = None, model_name: str | None = None, time_limit_s: float = 60.0,
-         baselines: bool = True, progress: bool = False) -> Plan:
+         baselines: bool = True, progress: bool = False, pipeline: bool = True) -> Plan:
     """Plan training ``model`` on ``n_gpus`` devices of ``hardware`` (see module doc).
 
     ``mesh`` pins the mesh (``"dp=2,tp=4"``); ``strategy`` pins a family (one of
     ``STRATEGY_FAMILIES``); ``memory_budget_bytes`` defaults to the device's capacity.
+    ``pipeline=False`` keeps ``auto`` from choosing pipeline stages (``autopar.pipeline_search``).
     """
     t0 = _T0[0] = time.perf_counter()
     if not isinstance(n_gpus, int) or n_gpus < 1:
@@ -355,7 +356,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     except AutoparError:  # nothing fits (or the solver gave up): pipeline stages may still fit
         if helper is not None:
             helper.close()
-        if strategy != "auto" or mesh is not None or n_gpus == 1:
+        if strategy != "auto" or mesh is not None or n_gpus == 1 or not pipeline:
             raise
         from .pipeline_search import pipeline_if_faster  # pipeline stages may fit where nothing else does
 
@@ -385,7 +386,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     annotate(gm, best.mesh)  # leave the graph annotated for the chosen mesh
     result = _to_plan(gm, best, hw, train, budget, strategy, baseline_results, n_gpus,
                       model_name or type(model).__name__, n_solved, time.perf_counter() - t0, search_note)
-    if strategy == "auto" and mesh is None and n_gpus > 1:
+    if strategy == "auto" and mesh is None and n_gpus > 1 and pipeline:
         from .pipeline_search import pipeline_if_faster  # stages, micro-batches, schedule: pipeline_search
 
         result = pipeline_if_faster(gm, result, n_gpus, hw, train, budget, result.model, t0,

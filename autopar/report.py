@@ -77,7 +77,8 @@ def format_report(plan: Plan, max_rows: int = 40) -> str:
         f"peak memory / device  {_gib(plan.peak_memory_bytes_per_device)} of {_gib(plan.memory_budget_bytes)} budget"
         f"  (params+grads+optimizer {_gib(plan.param_state_bytes)}, activations {_gib(plan.activation_bytes)})",
         "bytes sent / device   " + (", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in sorted(plan.comm_bytes.items()))
-                                  or "none"),
+                                  or ("between stages: below; inside a stage: its own plan" if plan.pipeline
+                                      else "none")),
         *_pipeline_lines(plan),
         "",
         "layouts (one row per op of each repeated block; placements per mesh axis, in order "

@@ -257,7 +257,10 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
             from autopar.planner import plan as make_plan
 
             try:
-                text = make_plan(gm, n, model_name=type(model).__name__, **plan_options).to_json()
+                # auto pipelines only when asked (pipeline=True): a pipelined model is driven by
+                # pm.step(*batch), not by pm(*batch) and loss.backward()
+                options = dict(plan_options, pipeline=bool(plan_options.get("pipeline", False)))
+                text = make_plan(gm, n, model_name=type(model).__name__, **options).to_json()
             except Exception as exc:  # every rank must learn of it, or the others wait forever
                 _broadcast_plan(_PLAN_FAILED + f"{type(exc).__name__}: {exc}")
                 raise

@@ -36,8 +36,15 @@ def run_case(pp: int, stage_mesh: str | None, schedule: str, m: int, options: di
     options = dict(options)
     v = int(options.pop("virtual_stages", 1))
     model, inputs = build()
-    pm = parallelize_pipeline(model, inputs, pp=pp, n_microbatches=m, schedule=schedule, stage_mesh=stage_mesh,
-                              virtual_stages=v, hardware="a100-80gb", mixed_precision=False, **options)
+    if options.pop("api", None):  # the user's entry point: parallelize() plans the pipeline itself
+        from autopar.runtime import parallelize
+
+        pm = parallelize(model, example_inputs=inputs, hardware="a100-80gb", mixed_precision=False, **options)
+        v = len(pm.stage_ids)  # model chunks on this rank
+        pp, m, schedule = len(pm._pp_ranks), pm.n_microbatches, pm.schedule_name
+    else:
+        pm = parallelize_pipeline(model, inputs, pp=pp, n_microbatches=m, schedule=schedule, stage_mesh=stage_mesh,
+                                  virtual_stages=v, hardware="a100-80gb", mixed_precision=False, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     losses, sent, grads, peak = [], [], None, 0
     weights = list(pm.parameters())
@@ -63,7 +70,8 @@ def run_case(pp: int, stage_mesh: str | None, schedule: str, m: int, options: di
                 losses=losses)
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine)
-    return dict(losses=losses, grads=grads, params=pm.full_state_dict(), ranks=per_rank,
+    return dict(losses=losses, grads=grads, params=pm.full_state_dict(), ranks=per_rank, pp=pp, schedule=schedule,
+                n_microbatches=m,
                 meshes=[str(p.mesh) for p in pm.plans], stage_blocks=pm.stage_blocks)
 
 

@@ -17,9 +17,12 @@ from pipeline_cases import EPS, LR, STEPS, build, case_key  # noqa: E402
 # (pp, stage mesh, schedule, micro-batches, options)
 CASES_BY_WORLD = {
     4: [(4, None, "gpipe", 8, {}), (4, None, "1f1b", 8, {}),
-        (2, "dp=2", "interleaved-1f1b", 4, {"virtual_stages": 2, "strategy": "dp"})],
+        (2, "dp=2", "interleaved-1f1b", 4, {"virtual_stages": 2, "strategy": "dp"}),
+        (0, None, "planned", 0, {"api": 1, "strategy": "pp"})],  # parallelize(strategy="pp") picks it all
     8: [(2, "dp=2,tp=2", "gpipe", 4, {"strategy": "megatron-dp"}),
-        (2, "dp=2,tp=2", "1f1b", 4, {"strategy": "megatron-dp"})],
+        (2, "dp=2,tp=2", "1f1b", 4, {"strategy": "megatron-dp"}),
+        (0, None, "pinned", 0, {"api": 1, "mesh": "pp=2,dp=2,tp=2", "n_microbatches": 4, "schedule": "gpipe",
+                                "strategy": "megatron-dp"})],  # parallelize(mesh="pp=...", n_microbatches=...)
 }
 CASES = [(w, c) for w, cases in CASES_BY_WORLD.items() for c in cases]
 
@@ -93,7 +96,8 @@ def test_pipeline_equals_single_process(world_case, launch, reference, report_li
             for k, v in want.items():
                 assert step_sent[k] == pytest.approx(v, rel=1e-9), (r["rank"], k)
     sent = sum(sum(r["sent"][0].values()) for r in got["ranks"])
-    report_line(f"pipeline {_id(world_case)}: stage meshes {got['meshes']}, blocks {got['stage_blocks']}, "
+    report_line(f"pipeline {_id(world_case)}: pp={got['pp']} {got['schedule']} m={got['n_microbatches']}, "
+                f"stage meshes {got['meshes']}, blocks {got['stage_blocks']}, "
                 f"loss {got['losses'][0]:.5f} = single process, collective bytes/step over ranks {sent:.0f}")
 
 
