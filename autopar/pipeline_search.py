@@ -25,7 +25,6 @@ priced once here.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +32,6 @@ import torch.fx as fx
 
 from autopar.cost_model.hardware import Hardware
 from autopar.cost_model.pipeline import StageCost, activations_in_flight, pipeline_cost
-from autopar.cost_model.reshard import reshard_steps
 from autopar.cost_model.costs import TrainingSpec
 from autopar.mesh import Link, MeshSpec
 
@@ -70,7 +68,6 @@ class _Part:
 def _split_costs(plan: Plan) -> _Part:
     """The plan's predicted costs split as _Part says (the same terms evaluate() adds up)."""
     problem, choice = plan._problem, plan._choice
-    mesh = problem.mesh
     batch = use = step = params = acts = 0.0
     for key, d in problem.decisions.items():
         i = choice[key]

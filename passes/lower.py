@@ -99,9 +99,11 @@ class _Lowering:
         for a in split:
             if dst.codes[a] != REPLICATE_CODE or a in zero:  # ZeRO-2 reduce-scatters it instead
                 continue
-            if root in self.single_use and not zero:
-                # its only use: the gradient arriving at the parameter is partial on this axis,
-                # so summing micro-batches first and all-reducing once per step is the same
+            if root in self.single_use and src.codes[a] == REPLICATE_CODE \
+                    and self.layouts[root][0].codes[a] == REPLICATE_CODE:
+                # its only use, stored whole on this axis (a ZeRO-3 shard's gradient is cut on
+                # it): the gradient arriving at the parameter is partial on this axis, so summing
+                # micro-batches first and all-reducing once per step gives the same result
                 self.deferred.add((self.targets[root], a))
                 continue
             key = (producer.name, dst, done + (a,), owner)

@@ -217,6 +217,21 @@ def _plan_stages(stage_gms, sub: MeshSpec, model_name: str, plan_options: dict) 
     return texts[0]
 
 
+def _rank0_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as rank 0 has it (copies; the user's model is left alone), tied names
+    sharing one tensor."""
+    copies: dict[int, torch.Tensor] = {}
+    out = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) not in copies:
+                t = p.detach().clone()
+                dist.broadcast(t, src=0)
+                copies[id(p)] = t
+            out[name] = copies[id(p)]
+    return out
+
+
 def _example_args(gm: fx.GraphModule, grad_in: bool, dev: torch.device) -> tuple[tuple, tuple]:
     """Stage inputs and outputs as empty tensors of their (micro-batch) shapes. Given both,
     PipelineStage skips its run-time shape inference, which would run the stage program (and
@@ -274,9 +289,7 @@ def parallelize_pipeline(model: nn.Module, example_inputs: Sequence[Any], *, pp:
                            f"pick a stage mesh of {n_sub} devices")
     if "pp" in sub.axes:
         raise AutoparError("the stage mesh cannot itself have a pp axis; give pp= separately")
-    with torch.no_grad():  # every rank starts from rank 0's weights
-        for p in model.parameters():
-            dist.broadcast(p.data, src=0)
+    full = _rank0_weights(model)
     gm = trace(model, _microbatch(example_inputs, n_microbatches))
     n_stages = pp * v
     blocks = tuple(stage_blocks) if stage_blocks is not None else even_stage_blocks(block_count(gm), n_stages)
@@ -297,7 +310,6 @@ def parallelize_pipeline(model: nn.Module, example_inputs: Sequence[Any], *, pp:
     groups = [C.AxisGroup(a, dm.get_group(a), s, c) for a, s, c in zip(sub.axes, sub.sizes, coords)]
     pp_group = dm.get_group("pp")
     pp_ranks = [dist.get_global_rank(pp_group, i) for i in range(pp)]
-    full = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
     dev = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     stage_ids = [pp_index + j * pp for j in range(v)]  # round robin: interleaved schedules expect it

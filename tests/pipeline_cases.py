@@ -65,9 +65,10 @@ def run_case(pp: int, stage_mesh: str | None, schedule: str, m: int, options: di
     for k, b in pm.deferred_sync_bytes().items():  # ... but its parameter syncs once per step
         predicted[k] -= (m - 1) * b
     in_flight = [activations_in_flight(schedule, pp, m, s % pp, v) for s in pm.stage_ids]
-    mine = dict(rank=dist.get_rank(), stages=pm.stage_ids, sent=sent, predicted=predicted, deferred=pm.deferred_sync_bytes(), peak_activation_bytes=peak,
-                predicted_activation_bytes=sum(n * pm.plans[s].activation_bytes for n, s in zip(in_flight, pm.stage_ids)),
-                losses=losses)
+    predicted_activations = sum(n * pm.plans[s].activation_bytes for n, s in zip(in_flight, pm.stage_ids))
+    mine = dict(rank=dist.get_rank(), stages=pm.stage_ids, sent=sent, predicted=predicted,
+                deferred=pm.deferred_sync_bytes(), peak_activation_bytes=peak,
+                predicted_activation_bytes=predicted_activations, losses=losses)
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine)
     return dict(losses=losses, grads=grads, params=pm.full_state_dict(), ranks=per_rank, pp=pp, schedule=schedule,
