@@ -18,9 +18,11 @@ and torchtitan run them). Simplifications: the layouts inside a stage are those 
 fastest for the whole batch with no memory limit (memory is then checked per stage under the
 budget); kernel-time floors are scaled with the batch.
 
-The runtime (``runtime.pipeline``) matches this for parameters with a single use; the syncs of
-a parameter used twice (rare: tied weights inside a stage) run per micro-batch there but are
-priced once here.
+The runtime (``runtime.pipeline``) matches this for parameters with a single use that are
+stored whole on the synced axis (nearly all weights under DP and Megatron layouts); a parameter
+used twice (tied weights inside a stage), a ZeRO-3 shard and a ZeRO-2 piece are synchronized per
+micro-batch there but priced once here (the stage pieces are priced without a memory limit, so
+their layouts rarely shard parameters).
 """
 
 from __future__ import annotations
