@@ -270,10 +270,6 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
         the_plan = Plan.from_json(text)
     else:
         the_plan = plan if isinstance(plan, Plan) else Plan.from_json(plan)
-    if the_plan.pipeline is not None:  # stages on sub-meshes, run by a pipeline schedule: pm.step(*batch)
-        from .pipeline import parallelize_plan_pipeline
-
-        return parallelize_plan_pipeline(model, example_inputs, the_plan, device, plan_options)
     if the_plan.n_devices != world:
         raise AutoparError(f"the plan is for {the_plan.n_devices} devices but the world size is {world}; "
                            f"re-plan with autopar.plan(model, {world}, ...) or launch {the_plan.n_devices} processes")
@@ -281,6 +277,10 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
         raise AutoparError(f"the plan was made for another model or other input shapes (plan of "
                            f"{the_plan.model!r}, graph fingerprint {the_plan.graph_fingerprint}; this model's is "
                            f"{graph_fingerprint(gm)}); re-plan with autopar.plan(model, {world}, example_inputs)")
+    if the_plan.pipeline is not None:  # stages on sub-meshes, run by a pipeline schedule: pm.step(*batch)
+        from .pipeline import parallelize_plan_pipeline
+
+        return parallelize_plan_pipeline(model, example_inputs, the_plan, device, plan_options)
     strategies = _match_strategies(gm, the_plan)
     return _build(model, gm, the_plan, strategies, device)
 
