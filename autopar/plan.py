@@ -10,6 +10,7 @@ from typing import Any
 
 from .errors import AutoparError, format_bytes
 from .mesh import Link, MeshSpec
+from .pipeline_info import PipelineInfo
 
 __all__ = ["Plan", "NodePlan", "SolverStats", "BaselineResult", "PlanFormatError", "PLAN_FORMAT_VERSION"]
 
@@ -85,6 +86,8 @@ class Plan:
     # Digest of the traced graph's ops and shapes (``autopar.trace.graph_fingerprint``):
     # parallelize refuses a plan made for another model or other input shapes.
     graph_fingerprint: str = ""
+    # Pipeline stages, schedule and bubble (autopar.pipeline_search), or None: no pipeline.
+    pipeline: PipelineInfo | None = None
     # The priced problem and the choice, kept in memory for explain(); not serialized.
     _problem: Any = field(default=None, repr=False, compare=False)
     _choice: Any = field(default=None, repr=False, compare=False)
@@ -135,6 +138,7 @@ class Plan:
             "nodes": [{"name": n.name, "op": n.op, "strategy": n.strategy, "output_layout": n.output_layout,
                        "input_layouts": list(n.input_layouts), "zero_axes": list(n.zero_axes),
                        "shares_with": n.shares_with, "follows": n.follows} for n in self.nodes],
+            "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
         }
 
     def to_json(self, path: str | None = None, indent: int = 1) -> str:
@@ -190,6 +194,7 @@ class Plan:
                                  tuple(n.get("input_layouts", ())), tuple(n.get("zero_axes", ())),
                                  n.get("shares_with", ""), n.get("follows", "")) for n in d["nodes"]),
             graph_fingerprint=str(d.get("graph_fingerprint", "")),
+            pipeline=PipelineInfo.from_dict(d["pipeline"]) if d.get("pipeline") else None,
         )
 
     # --- explain and diff ----------------------------------------------------------------

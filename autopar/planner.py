@@ -42,7 +42,7 @@ from .trace import graph_fingerprint, trace
 __all__ = ["plan", "STRATEGY_FAMILIES", "candidate_meshes"]
 
 aten = torch.ops.aten
-STRATEGY_FAMILIES = ("auto", "dp", "zero2", "zero3", "megatron", "megatron-sp", "megatron-dp")
+STRATEGY_FAMILIES = ("auto", "dp", "zero2", "zero3", "megatron", "megatron-sp", "megatron-dp", "pp")
 _LAYER_NORMS = {aten.layer_norm.default, aten.rms_norm.default}
 
 
@@ -310,11 +310,12 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
          hardware: str | Hardware = "a100-80gb", mesh: str | MeshSpec | None = None, strategy: str = "auto",
          memory_budget_bytes: float | None = None, optimizer: str = "adamw", mixed_precision: bool | None = None,
          example_kwargs: dict | None = None, model_name: str | None = None, time_limit_s: float = 60.0,
-         baselines: bool = True, progress: bool = False) -> Plan:
+         baselines: bool = True, progress: bool = False, pipeline: bool = True) -> Plan:
     """Plan training ``model`` on ``n_gpus`` devices of ``hardware`` (see module doc).
 
     ``mesh`` pins the mesh (``"dp=2,tp=4"``); ``strategy`` pins a family (one of
     ``STRATEGY_FAMILIES``); ``memory_budget_bytes`` defaults to the device's capacity.
+    ``pipeline=False`` keeps ``auto`` from choosing pipeline stages (``autopar.pipeline_search``).
     """
     t0 = _T0[0] = time.perf_counter()
     if not isinstance(n_gpus, int) or n_gpus < 1:
@@ -330,6 +331,12 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     gm = model if isinstance(model, fx.GraphModule) else trace(model, example_inputs, example_kwargs,
                                                                  stack_traces=False)
     _progress(progress, f"traced {len(gm.graph.nodes)} nodes")
+    if strategy == "pp" or (mesh is not None and "pp" in (mesh.axes if isinstance(mesh, MeshSpec) else
+                                                         MeshSpec.parse(mesh, n_gpus).axes)):
+        from .pipeline_search import pinned_pipeline_plan  # stages, micro-batches, schedule: pipeline_search
+
+        return pinned_pipeline_plan(gm, n_gpus, mesh, hw, train, budget, model_name or type(model).__name__, t0,
+                                    (lambda m: _progress(progress, m)))
 
     if mesh is not None:
         spec = MeshSpec.parse(mesh, n_gpus) if isinstance(mesh, str) else mesh
@@ -346,6 +353,18 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     try:
         best, n_solved, search_note = _search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
                                                          helper)
+    except AutoparError:  # nothing fits (or the solver gave up): pipeline stages may still fit
+        if helper is not None:
+            helper.close()
+        if strategy != "auto" or mesh is not None or n_gpus == 1 or not pipeline:
+            raise
+        from .pipeline_search import pipeline_if_faster  # pipeline stages may fit where nothing else does
+
+        pipelined = pipeline_if_faster(gm, None, n_gpus, hw, train, budget, model_name or type(model).__name__, t0,
+                                       progress=lambda m: _progress(progress, m))
+        if pipelined is None:
+            raise
+        return pipelined
     except BaseException:
         if helper is not None:
             helper.close()
@@ -365,8 +384,14 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     else:
         baseline_results = []
     annotate(gm, best.mesh)  # leave the graph annotated for the chosen mesh
-    return _to_plan(gm, best, hw, train, budget, strategy, baseline_results, n_gpus,
-                    model_name or type(model).__name__, n_solved, time.perf_counter() - t0, search_note)
+    result = _to_plan(gm, best, hw, train, budget, strategy, baseline_results, n_gpus,
+                      model_name or type(model).__name__, n_solved, time.perf_counter() - t0, search_note)
+    if strategy == "auto" and mesh is None and n_gpus > 1 and pipeline:
+        from .pipeline_search import pipeline_if_faster  # stages, micro-batches, schedule: pipeline_search
+
+        result = pipeline_if_faster(gm, result, n_gpus, hw, train, budget, result.model, t0,
+                                    tuple(baseline_results), lambda m: _progress(progress, m))
+    return result
 
 
 def _search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress, helper):

@@ -40,6 +40,29 @@ def _block_rows(plan: Plan) -> list[tuple[str, str, str]]:
     return list(rows.values())
 
 
+def _pipeline_lines(plan: Plan) -> list[str]:
+    """Stages (blocks, sub-mesh, predicted time and memory), schedule and bubble."""
+    info = plan.pipeline
+    if info is None:
+        return []
+    chunks = f", {info.virtual_stages} model chunks per device" if info.virtual_stages > 1 else ""
+    lines = [
+        "",
+        f"pipeline: {info.n_stages} stages over {plan.mesh.links[0].name}, schedule {info.schedule}{chunks}, "
+        f"{info.n_microbatches} micro-batches; bubble {info.bubble_fraction * 100:.1f}% "
+        f"({_ms(info.bubble_seconds)} of the step; the step time above includes it)",
+        f"  each stage on mesh {info.stage_mesh}; {info.p2p_bytes_per_step / 2**20:,.1f} MiB sent per device "
+        f"between stages per step; blocks per stage {list(info.stage_blocks)} of `{info.block_prefix}`",
+        f"  {'stage':>5s}  {'blocks':12s} {'also':18s} {'time / micro-batch':>18s} {'peak memory':>12s}",
+    ]
+    for st in info.stages:
+        blocks = f"{st.first_block}-{st.first_block + st.n_blocks - 1}" if info.virtual_stages == 1 \
+            else f"{st.n_blocks} in {info.virtual_stages} chunks"
+        lines.append(f"  {st.index:5d}  {blocks:12s} {st.extras or '-':18s} {_ms(st.seconds_per_microbatch):>18s} "
+                     f"{_gib(st.peak_memory_bytes):>12s}")
+    return lines
+
+
 def format_report(plan: Plan, max_rows: int = 40) -> str:
     mesh = plan.mesh
     axes = ", ".join(f"{a}={s} over {l.name}" for a, s, l in zip(mesh.axes, mesh.sizes, mesh.links))
@@ -48,15 +71,19 @@ def format_report(plan: Plan, max_rows: int = 40) -> str:
         f"({plan.optimizer}, {'bf16 mixed precision' if plan.mixed_precision else 'fp32'}, strategy={plan.strategy})",
         f"mesh: {axes}",
         "",
-        f"predicted step time   {_ms(plan.step_seconds)}  (compute {_ms(plan.compute_seconds)}, "
-        f"communication {_ms(plan.comm_seconds)})",
+        f"predicted step time   {_ms(plan.step_seconds)}  " + (
+            f"(compute {_ms(plan.compute_seconds)}, communication {_ms(plan.comm_seconds)})" if plan.pipeline is None
+            else f"(stages busy {_ms(plan.compute_seconds)}, pipeline bubble {_ms(plan.pipeline.bubble_seconds)})"),
         f"peak memory / device  {_gib(plan.peak_memory_bytes_per_device)} of {_gib(plan.memory_budget_bytes)} budget"
         f"  (params+grads+optimizer {_gib(plan.param_state_bytes)}, activations {_gib(plan.activation_bytes)})",
         "bytes sent / device   " + (", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in sorted(plan.comm_bytes.items()))
-                                  or "none"),
+                                  or ("between stages: below; inside a stage: its own plan" if plan.pipeline
+                                      else "none")),
+        *_pipeline_lines(plan),
         "",
         "layouts (one row per op of each repeated block; placements per mesh axis, in order "
-        f"{','.join(mesh.axes)}):",
+        f"{','.join(mesh.axes[1:] if plan.pipeline else mesh.axes)}"
+        + ("; inside every pipeline stage" if plan.pipeline else "") + "):",
     ]
     rows = _block_rows(plan)
     for name, op, strategy in rows[:max_rows]:

@@ -222,8 +222,8 @@ def _requires_grad(gm: fx.GraphModule) -> dict[str, bool]:
         elif n.op == "call_function":
             ins = tensor_leaves(n.args, n.kwargs, lambda x: isinstance(x, fx.Node))
             needs[n.name] = bool(floating) and any(needs.get(i.name, False) for i in ins)
-        else:
-            needs[n.name] = False
+        else:  # a placeholder: a pipeline stage's input from the previous stage may need grad
+            needs[n.name] = bool(n.meta.get("autopar_requires_grad", False))
     return needs
 
 
@@ -388,6 +388,8 @@ class _Builder:
             seconds.append(sec * count)
             memory.append(mem * count)
         d = self.decisions[n.name] = Decision(n.name, n, options, seconds, memory, count, is_param)
+        if n.op == "placeholder" and self.needs.get(n.name, False):
+            self.add_input_grad(n, d)
         for i, (st, zero_axes) in enumerate(options):
             if is_param and zero_axes:
                 # ZeRO-2's reduce-scatter + all-gather replace the gradient all-reduces on its
@@ -399,6 +401,17 @@ class _Builder:
                 d.seconds[i] += sec
                 d.comm_seconds[i] += sec
                 d.comm_steps[i].extend((step, count) for step in steps)
+
+    def add_input_grad(self, n: fx.Node, d: Decision) -> None:
+        """An input whose gradient is wanted (a pipeline stage's input) is cut from the whole
+        tensor for free, and its gradient gathered back whole: the cut's backward steps."""
+        total = _tensor_bytes(n.meta["val"], self.train)
+        for i, (st, _) in enumerate(d.options):
+            fwd, bwd = reshard_steps(Layout.replicated(self.mesh.ndim), st.output, total, self.mesh, True)
+            sec = steps_seconds(fwd + bwd, self.mesh) * d.count
+            d.seconds[i] += sec
+            d.comm_seconds[i] += sec
+            d.comm_steps[i].extend((step, d.count) for step in fwd + bwd)
 
     def option_cost(self, n: fx.Node, st: Strategy, zero_axes, is_param: bool) -> tuple[float, float]:
         mesh, hw, train = self.mesh, self.hw, self.train

@@ -41,9 +41,12 @@ class _Lowering:
     def __init__(self, gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec,
                  groups: Sequence[C.AxisGroup], followers: set[str], zero2: dict[str, tuple[int, ...]],
                  root: torch.nn.Module, local_inputs: bool = False, local_outputs: bool = False,
-                 defer_grad_sync: bool = False):
+                 defer_grad_sync: bool = False, defer_param_syncs: bool = False):
         self.local_inputs, self.local_outputs = local_inputs, local_outputs
         self.defer, self.deferred = defer_grad_sync, {}
+        # (parameter target, axis) whose gradient all-reduce a pipeline runs once per step
+        self.step_deferred: set[tuple[str, int]] = set()
+        self.defer_param_syncs = defer_param_syncs
         self.gm, self.strategies, self.mesh = gm, strategies, mesh
         self.groups = C.register_axes(list(groups))  # string keys: printable in the generated code
         self.followers = followers
@@ -56,6 +59,8 @@ class _Lowering:
         self.needs = _requires_grad(gm)
         self.synced: dict[tuple, fx.Node] = {}
         self.param_uses: dict[str, list[ParamUse]] = {}  # parameter node -> its uses (passes/defer_sync.py)
+        self.targets = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+        self.single_use = _single_use_params(gm, self.followers, self.zero2) if defer_param_syncs else set()
 
     def call(self, fn: Callable, *args) -> fx.Node:
         return self.graph.call_function(fn, args)
@@ -103,6 +108,13 @@ class _Lowering:
         syncs = []
         for a in split:
             if dst.codes[a] != REPLICATE_CODE or a in zero:  # ZeRO-2 reduce-scatters it instead
+                continue
+            if root in self.single_use and src.codes[a] == REPLICATE_CODE \
+                    and self.layouts[root][0].codes[a] == REPLICATE_CODE:
+                # its only use, stored whole on this axis (a ZeRO-3 shard's gradient is cut on
+                # it): the gradient arriving at the parameter is partial on this axis, so summing
+                # micro-batches first and all-reducing once per step gives the same result
+                self.step_deferred.add((self.targets[root], a))
                 continue
             key = (producer.name, dst, done + (a,), owner)
             if key not in self.synced:  # (a fused ZeRO-3 gather reduce-scatters on its own axis)
@@ -204,10 +216,35 @@ class _Lowering:
         self.graph.output(pytree.tree_map(whole, node.args[0]))
 
 
+def _single_use_params(gm: fx.GraphModule, followers: set[str], zero2: dict) -> set[str]:
+    """Parameter nodes with one use (through a chain of followers such as a transpose) and no
+    tied twin: their gradient syncs can wait for the end of a step (``defer_param_syncs``)."""
+    params = {name: id(p) for name, p in gm.named_parameters(remove_duplicate=False)}
+    uses_of_tensor: dict[int, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and str(n.target) in params:
+            uses_of_tensor[params[str(n.target)]] = uses_of_tensor.get(params[str(n.target)], 0) + 1
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or str(n.target) not in params or n.name in zero2:
+            continue
+        if uses_of_tensor[params[str(n.target)]] > 1:
+            continue
+        node = n
+        while len(node.users) == 1:
+            (user,) = node.users
+            if user.name not in followers:
+                out.add(n.name)
+                break
+            node = user
+    return out
+
+
 def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, groups: Sequence[C.AxisGroup],
           root: torch.nn.Module, followers: set[str] = frozenset(),
           zero2: dict[str, tuple[int, ...]] | None = None, local_inputs: bool = False,
-          local_outputs: bool = False, defer_grad_sync: bool = False) -> fx.GraphModule:
+          local_outputs: bool = False, defer_grad_sync: bool = False,
+          defer_param_syncs: bool = False) -> fx.GraphModule:
     """The per-rank program of ``gm`` (see module doc). ``root`` holds the local parameter
     shards under the graph's ``get_attr`` targets; ``followers`` names the nodes the planner
     folded into their producer's decision (they keep their own gradient syncs); ``zero2`` maps
@@ -216,11 +253,16 @@ def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, g
     ``local_outputs=True`` one whose outputs stay cut as the plan leaves them.
     ``defer_grad_sync=True`` leaves out the gradient all-reduces that ``runtime.grad_buckets``
     can run bucketed and overlapped (``passes/defer_sync.py``); the program's
-    ``meta[DEFERRED_KEY]`` maps each such parameter's target to its axes' group keys."""
+    ``meta[DEFERRED_KEY]`` maps each such parameter's target to its axes' group keys.
+    ``defer_param_syncs=True`` (pipelines: one program run per micro-batch) leaves out the
+    gradient all-reduces of single-use parameters and lists them in the program's
+    ``deferred_param_syncs``; the caller all-reduces those gradients once per step."""
     lowering = _Lowering(gm, strategies, mesh, groups, set(followers), dict(zero2 or {}), root, local_inputs,
-                         local_outputs, defer_grad_sync)
+                         local_outputs, defer_grad_sync, defer_param_syncs)
     graph = lowering.run()
     graph.lint()
     program = fx.GraphModule(root, graph)
     program.meta[DEFERRED_KEY] = lowering.deferred
+    # (parameter target, mesh axis): gradient all-reduces the caller runs once per step
+    program.deferred_param_syncs = sorted(lowering.step_deferred)
     return program

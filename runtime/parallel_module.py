@@ -253,6 +253,10 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
     n = world if n_gpus is None else n_gpus
     if n != world:
         raise AutoparError(f"n_gpus={n} but the world size is {world}; launch {n} processes or drop n_gpus")
+    if "n_microbatches" in plan_options or "schedule" in plan_options:
+        from .pipeline import parallelize_pipeline_options  # a pinned pipeline: pp= on the mesh
+
+        return parallelize_pipeline_options(model, example_inputs, device=device, **plan_options)
     gm = trace(model, example_inputs, example_kwargs)
     if plan is None:
         text = None
@@ -260,7 +264,10 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
             from autopar.planner import plan as make_plan
 
             try:
-                text = make_plan(gm, n, model_name=type(model).__name__, **plan_options).to_json()
+                # auto pipelines only when asked (pipeline=True): a pipelined model is driven by
+                # pm.step(*batch), not by pm(*batch) and loss.backward()
+                options = dict(plan_options, pipeline=bool(plan_options.get("pipeline", False)))
+                text = make_plan(gm, n, model_name=type(model).__name__, **options).to_json()
             except Exception as exc:  # every rank must learn of it, or the others wait forever
                 _broadcast_plan(_PLAN_FAILED + f"{type(exc).__name__}: {exc}")
                 raise
@@ -277,6 +284,10 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
         raise AutoparError(f"the plan was made for another model or other input shapes (plan of "
                            f"{the_plan.model!r}, graph fingerprint {the_plan.graph_fingerprint}; this model's is "
                            f"{graph_fingerprint(gm)}); re-plan with autopar.plan(model, {world}, example_inputs)")
+    if the_plan.pipeline is not None:  # stages on sub-meshes, run by a pipeline schedule: pm.step(*batch)
+        from .pipeline import parallelize_plan_pipeline
+
+        return parallelize_plan_pipeline(model, example_inputs, the_plan, device, plan_options)
     strategies = _match_strategies(gm, the_plan)
     return _build(model, gm, the_plan, strategies, device)
 

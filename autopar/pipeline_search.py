@@ -1,0 +1,388 @@
+"""Pipeline stage search: the number of stages, their blocks, the sub-mesh inside a stage, the
+micro-batch count and the schedule, chosen together with the sharding inside each stage.
+
+As Alpa's inter-operator pass (Zheng et al. 2022, arXiv 2201.12023), stages are contiguous
+runs of layers on sub-meshes, each priced by the intra-operator ILP. Repeated blocks make
+this cheap: per sub-mesh shape the ILP prices three small pieces of the traced graph once
+(``split_stages(gm, (1, L - 2, 1))``: embeddings + one block, the middle blocks that share one
+block's decisions, one block + head), and every stage candidate is a sum of those parts.
+With identical blocks, Alpa's dynamic program over stage boundaries reduces to how many blocks
+each stage holds; ``_balance`` finds the counts that minimize the slowest stage under each
+stage's memory budget exactly (bisection on the bottleneck time, greedy fill per candidate).
+
+Scaling to a micro-batch: a piece is priced for the whole batch on its sub-mesh; per micro-batch,
+work on activations (compute, activation collectives, activation memory, sends) scales by 1/m,
+parameter reshards (ZeRO-3 gathers) are paid per micro-batch, and the optimizer step and the
+parameter gradient synchronizations once per step, after the pipeline drains (as Megatron-LM
+and torchtitan run them). Simplifications: the layouts inside a stage are those that are
+fastest for the whole batch with no memory limit (memory is then checked per stage under the
+budget); kernel-time floors are scaled with the batch.
+
+The runtime (``runtime.pipeline``) matches this for parameters with a single use that are
+stored whole on the synced axis (nearly all weights under DP and Megatron layouts); a parameter
+used twice (tied weights inside a stage), a ZeRO-3 shard and a ZeRO-2 piece are synchronized per
+micro-batch there but priced once here (the stage pieces are priced without a memory limit, so
+their layouts rarely shard parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.cost_model.hardware import Hardware
+from autopar.cost_model.pipeline import StageCost, activations_in_flight, pipeline_cost
+from autopar.cost_model.costs import TrainingSpec
+from autopar.mesh import Link, MeshSpec
+
+from .errors import AutoparError
+from .pipeline_info import PipelineInfo, PipelineStageInfo
+from .plan import Plan
+
+__all__ = ["PipelineChoice", "search_pipeline", "pipeline_plan"]
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A piece of the graph on a sub-mesh, for the whole batch, split by how its costs scale."""
+
+    batch_seconds: float = 0.0  # compute, activation collectives: scale with the micro-batch
+    use_seconds: float = 0.0  # parameter reshards (ZeRO-3 gathers): paid per micro-batch
+    step_seconds: float = 0.0  # optimizer, parameter gradient syncs: once per step
+    param_bytes: float = 0.0
+    act_bytes: float = 0.0  # for the whole batch; scales with the micro-batch
+
+    def __add__(self, o: "_Part") -> "_Part":
+        return _Part(*(a + b for a, b in zip(self._fields(), o._fields())))
+
+    def __sub__(self, o: "_Part") -> "_Part":
+        return _Part(*(max(a - b, 0.0) for a, b in zip(self._fields(), o._fields())))
+
+    def scale(self, f: float) -> "_Part":
+        return _Part(*(a * f for a in self._fields()))
+
+    def _fields(self) -> tuple[float, ...]:
+        return (self.batch_seconds, self.use_seconds, self.step_seconds, self.param_bytes, self.act_bytes)
+
+
+def _split_costs(plan: Plan) -> _Part:
+    """The plan's predicted costs split as _Part says (the same terms evaluate() adds up)."""
+    problem, choice = plan._problem, plan._choice
+    batch = use = step = params = acts = 0.0
+    for key, d in problem.decisions.items():
+        i = choice[key]
+        if d.is_param:
+            step += d.seconds[i]
+            params += d.memory_bytes[i]
+        else:
+            batch += d.seconds[i]
+            acts += d.memory_bytes[i]
+    for e in problem.edges:
+        a, b = e.producer_layouts[choice[e.producer]], e.consumer_layouts[choice[e.consumer]]
+        seconds = e.seconds[(a, b)]
+        if problem.decisions[e.producer].is_param:
+            use += seconds
+        else:
+            batch += seconds
+    for g in problem.syncs:
+        if g.param and g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
+            continue
+        if any(choice[k] == i for k, i in g.triggers):
+            if g.param:  # once per step, after the schedule (runtime.pipeline defers them)
+                step += g.seconds
+            else:
+                batch += g.seconds
+    return _Part(batch, use, step, params, acts)
+
+
+def _boundary_bytes(gm: fx.GraphModule, train: TrainingSpec) -> tuple[float, float]:
+    """Bytes one stage hands the next (whole tensors) and the gradient bytes sent back."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    fwd = bwd = 0.0
+    for x in torch.utils._pytree.tree_leaves(out.args[0]):
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            if val.dtype.is_floating_point:
+                b = val.numel() * train.activation_bytes_per_elem
+                fwd, bwd = fwd + b, bwd + b
+            else:
+                fwd += val.numel() * val.element_size()
+    return fwd, bwd
+
+
+@dataclass(frozen=True)
+class _SubMesh:
+    mesh: MeshSpec
+    embed: _Part  # non-block work before the blocks (embeddings)
+    block: _Part  # one block
+    head: _Part  # non-block work after the blocks (head, loss)
+    send_bytes: float  # per boundary, whole batch
+    grad_bytes: float
+    batch: int  # the batch the parts were priced for
+    nodes: tuple  # NodePlans of the three pieces (the layouts inside a stage)
+
+
+def _price_submesh(pieces, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: TrainingSpec,
+                   time_limit_s: float, batch: int) -> _SubMesh | None:
+    from .planner import plan as make_plan
+
+    try:
+        plans = [make_plan(g, mesh.n_devices, mesh=mesh, hardware=hw, baselines=False, memory_budget_bytes=1e30,
+                           optimizer=train.optimizer, mixed_precision=train.mixed_precision,
+                           time_limit_s=time_limit_s, model_name="stage") for g in pieces]
+    except AutoparError:  # the batch does not divide on this mesh, or the like
+        return None
+    first, middle, last = (_split_costs(p) for p in plans)
+    block = middle.scale(1.0 / (n_blocks - 2))
+    send, grad = _boundary_bytes(pieces[0], train)
+    nodes = tuple(n for p in plans for n in p.nodes)
+    return _SubMesh(mesh, first - block, block, last - block, send, grad, batch, nodes)
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    step_seconds: float
+    peak_memory_bytes: float
+    info: PipelineInfo
+    sub: _SubMesh
+    pp_link: Link
+    param_bytes: float  # of the device with the highest peak
+    activation_bytes: float
+
+
+def _stage_part(sub: _SubMesh, n: int, first: bool, last: bool) -> _Part:
+    part = sub.block.scale(n)
+    if first:
+        part = part + sub.embed
+    if last:
+        part = part + sub.head
+    return part
+
+
+def _stage_cost(part: _Part, m: int, sub: _SubMesh, last: bool, first: bool) -> StageCost:
+    return StageCost(seconds=part.batch_seconds / m + part.use_seconds, param_state_bytes=part.param_bytes,
+                     activation_bytes=part.act_bytes / m, send_bytes=0.0 if last else sub.send_bytes / m,
+                     send_grad_bytes=0.0 if first else sub.grad_bytes / m)
+
+
+def _balance(sub: _SubMesh, p: int, m: int, schedule: str, n_blocks: int, budget: float) -> tuple[int, ...] | None:
+    """Blocks per stage minimizing the slowest stage's micro-batch time, every stage within
+    ``budget`` (see module doc); None if no split fits."""
+    def stage_time(n: int, k: int) -> float:
+        return _stage_part(sub, n, k == 0, k == p - 1).batch_seconds / m + \
+            _stage_part(sub, n, k == 0, k == p - 1).use_seconds
+
+    def mem_cap(k: int) -> int:
+        flight = activations_in_flight(schedule, p, m, k)
+        lo = 0
+        for n in range(1, n_blocks - p + 2):
+            part = _stage_part(sub, n, k == 0, k == p - 1)
+            if part.param_bytes + flight * part.act_bytes / m > budget:
+                break
+            lo = n
+        return lo
+
+    mem_caps = [mem_cap(k) for k in range(p)]
+    if min(mem_caps) < 1 or sum(mem_caps) < n_blocks:
+        return None
+
+    def fill(t_max: float) -> tuple[int, ...] | None:
+        counts, left = [], n_blocks
+        for k in range(p):
+            cap = 0
+            for n in range(1, mem_caps[k] + 1):
+                if stage_time(n, k) <= t_max:
+                    cap = n
+            take = min(cap, left - (p - k - 1))
+            if take < 1:
+                return None
+            counts.append(take)
+            left -= take
+        return tuple(counts) if left == 0 else None
+
+    candidates = sorted({stage_time(n, k) for k in range(p) for n in range(1, n_blocks - p + 2)})
+    lo, hi, best = 0, len(candidates) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        got = fill(candidates[mid])
+        if got is not None:
+            best, hi = got, mid - 1
+        else:
+            lo = mid + 1
+    return best
+
+
+def _compose(sub: _SubMesh, counts: tuple[int, ...], p: int, m: int, v: int, schedule: str, hw: Hardware,
+             prefix: str, budget: float) -> PipelineChoice | None:
+    link = hw.mesh_spec(("pp", *sub.mesh.axes), (p, *sub.mesh.sizes)).links[0]
+    n_chunks = p * v
+    parts = [_stage_part(sub, n, s == 0, s == n_chunks - 1) for s, n in enumerate(counts)]
+    costs = [_stage_cost(part, m, sub, s == n_chunks - 1, s == 0) for s, part in enumerate(parts)]
+    pc = pipeline_cost(costs, schedule, m, link, v)
+    # once per step, after the pipeline drains: optimizer and parameter gradient syncs
+    after = max(sum(parts[k + j * p].step_seconds for j in range(v)) for k in range(p))
+    if pc.peak_memory_bytes > budget:
+        return None
+    starts = [sum(counts[:s]) for s in range(n_chunks)]
+    stages, worst = [], (0.0, 0.0, 0.0)
+    for k in range(p):
+        param = sum(parts[k + j * p].param_bytes for j in range(v))
+        if pc.stage_memory_bytes[k] > worst[0]:
+            worst = (pc.stage_memory_bytes[k], param, pc.stage_memory_bytes[k] - param)
+        mine = [k + j * p for j in range(v)]
+        extras = "+".join(x for x, on in (("embeddings", 0 in mine), ("head", n_chunks - 1 in mine)) if on)
+        stages.append(PipelineStageInfo(k, starts[k], sum(counts[s] for s in mine), extras,
+                                        pc.stage_seconds[k], pc.stage_memory_bytes[k]))
+    info = PipelineInfo(p, schedule, m, v, str(sub.mesh), prefix, tuple(counts), pc.bubble_fraction,
+                        pc.bubble_seconds, pc.p2p_bytes_per_step, tuple(stages))
+    return PipelineChoice(pc.step_seconds + after, pc.peak_memory_bytes, info, sub, link, worst[1], worst[2])
+
+
+def _sub_meshes(n_sub: int, hw: Hardware) -> list[MeshSpec]:
+    """1- and 2-axis sub-meshes: a data-like axis and an inner axis inside a node."""
+    out = [hw.mesh_spec(("dp",), (n_sub,))]
+    t = 2
+    while t <= min(n_sub, hw.devices_per_node):
+        if n_sub % t == 0:
+            out.append(hw.mesh_spec(("dp", "tp"), (n_sub // t, t)) if n_sub > t else hw.mesh_spec(("tp",), (t,)))
+        t *= 2
+    return out
+
+
+def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: TrainingSpec, budget: float, *,
+                    pp: int | None = None, stage_mesh: MeshSpec | None = None, time_limit_s: float = 10.0,
+                    progress=None) -> PipelineChoice | None:
+    """The fastest pipeline that fits (see module doc), or None when none does or the model
+    has fewer than 3 repeated blocks. ``pp`` / ``stage_mesh`` pin the stage count / sub-mesh."""
+    from autopar.passes.split_stages import _container, split_stages
+
+    try:
+        prefix, indices = _container(gm)
+    except AutoparError:
+        return None
+    n_blocks = len(indices)
+    if n_blocks < 3:
+        return None
+    batch = _global_batch(gm)
+    pieces = split_stages(gm, (1, n_blocks - 2, 1))
+    pps = [pp] if pp else [d for d in range(2, n_blocks + 1) if n_gpus % d == 0 and n_gpus // d >= 1]
+    best: PipelineChoice | None = None
+    for p in pps:
+        subs = [stage_mesh] if stage_mesh is not None else _sub_meshes(n_gpus // p, hw)
+        for mesh in subs:
+            sub = _price_submesh(pieces, mesh, n_blocks, hw, train, time_limit_s, batch)
+            if sub is None:
+                continue
+            for m in _microbatch_counts(batch, p, mesh):
+                for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)):
+                    if v > 1 and (n_blocks % (p * v) or m % p):
+                        continue
+                    if v == 1:
+                        counts = _balance(sub, p, m, schedule, n_blocks, budget)
+                    else:
+                        counts = (n_blocks // (p * v),) * (p * v)
+                    if counts is None:
+                        continue
+                    got = _compose(sub, counts, p, m, v, schedule, hw, prefix, budget)
+                    if got is not None and (best is None or got.step_seconds < best.step_seconds):
+                        best = got
+        if progress:
+            progress(f"pipeline pp={p}: best so far {best.step_seconds * 1e3:,.1f} ms" if best else
+                     f"pipeline pp={p}: nothing fits yet")
+    return best
+
+
+def _global_batch(gm: fx.GraphModule) -> int:
+    sizes = [n.meta["val"].shape[0] for n in gm.graph.nodes if n.op == "placeholder"
+             and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0]
+    return int(sizes[0]) if sizes else 1
+
+
+def _microbatch_counts(batch: int, p: int, mesh: MeshSpec) -> list[int]:
+    """Micro-batch counts that split the batch evenly and leave each micro-batch divisible by
+    the sub-mesh's data axis: p, 2p, 4p, ... (fewer than p leaves most of the pipeline idle)."""
+    data = mesh.sizes[0] if mesh.axes[0] == "dp" else 1
+    out, m = [], p
+    while m <= batch:
+        if batch % m == 0 and (batch // m) % data == 0:
+            out.append(m)
+        m *= 2
+    if not out and batch % data == 0:
+        out = [d for d in range(1, batch + 1) if batch % d == 0 and (batch // d) % data == 0][-1:]
+    return out
+
+
+def pipeline_plan(choice: PipelineChoice, gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: TrainingSpec,
+                  budget: float, strategy: str, model_name: str, baselines: tuple = (), seconds: float = 0.0,
+                  note: str = "") -> Plan:
+    """A Plan whose mesh is pp x the stage mesh, with the pipeline's predictions and stages;
+    its nodes carry the layouts inside a stage (the three priced pieces, for the whole batch).
+    ``compute_seconds`` is the pipeline's busy time (stage work, its collectives and sends
+    included) and ``comm_seconds`` 0: the split of stage time is not kept per stage."""
+    from .plan import SolverStats
+    from .trace import graph_fingerprint
+
+    sub = choice.sub
+    mesh = MeshSpec(("pp", *sub.mesh.axes), (choice.info.n_stages, *sub.mesh.sizes), (choice.pp_link, *sub.mesh.links))
+    stats = SolverStats("pipeline search + HiGHS per stage piece", "Optimal", seconds, choice.step_seconds,
+                        float("nan"), 0, 0, 0, seconds, note)
+    return Plan(model=model_name, n_devices=n_gpus, mesh=mesh, hardware=hw.name, strategy=strategy,
+                optimizer=train.optimizer, mixed_precision=train.mixed_precision, memory_budget_bytes=budget,
+                step_seconds=choice.step_seconds, compute_seconds=choice.step_seconds - choice.info.bubble_seconds,
+                comm_seconds=0.0, param_state_bytes=choice.param_bytes, activation_bytes=choice.activation_bytes,
+                comm_bytes={}, solver=stats, baselines=tuple(baselines), nodes=sub.nodes,
+                graph_fingerprint=graph_fingerprint(gm), pipeline=choice.info)
+
+
+def pinned_pipeline_plan(gm: fx.GraphModule, n_gpus: int, mesh: str | MeshSpec | None, hw: Hardware,
+                         train: TrainingSpec, budget: float, model_name: str, t0: float, progress=None) -> Plan:
+    """``strategy="pp"`` or a mesh with a ``pp`` axis: the best pipeline under that pin."""
+    import time
+
+    pp = stage_mesh = None
+    if mesh is not None:
+        spec = MeshSpec.parse(mesh, n_gpus) if isinstance(mesh, str) else mesh
+        spec.check_devices(n_gpus)
+        if "pp" in spec.axes:
+            k = spec.axes.index("pp")
+            if k != 0:
+                raise AutoparError(f"mesh {spec}: the pp axis must come first (outermost), e.g. pp=4,dp=2,tp=8")
+            pp = spec.sizes[0]
+            rest = spec.axes[1:]
+            if rest:
+                stage_mesh = hw.mesh_spec(rest, spec.sizes[1:])
+    choice = search_pipeline(gm, n_gpus, hw, train, budget, pp=pp, stage_mesh=stage_mesh, progress=progress)
+    if choice is None:
+        from .passes.split_stages import block_count
+
+        try:
+            blocks = block_count(gm)
+        except AutoparError:
+            raise
+        raise AutoparError(f"no pipeline fits {n_gpus} devices with budget {budget / 2**30:.1f} GiB per device "
+                           f"(the model has {blocks} repeated blocks; a pipeline needs at least 3 and pp <= blocks"
+                           + (f"; pinned pp={pp}" if pp else "") + "); raise the memory budget, change the pin, "
+                           "or use strategy='auto'")
+    return pipeline_plan(choice, gm, n_gpus, hw, train, budget, "pp", model_name,
+                         seconds=time.perf_counter() - t0, note="pipeline pinned by strategy='pp' or a pp= mesh axis")
+
+
+def pipeline_if_faster(gm: fx.GraphModule, best: Plan | None, n_gpus: int, hw: Hardware, train: TrainingSpec,
+                       budget: float, model_name: str, t0: float, baselines: tuple = (), progress=None) -> Plan | None:
+    """``strategy="auto"``: the pipeline plan if one is predicted faster than ``best`` (or
+    ``best`` is None: nothing fits without stages), else ``best``."""
+    import time
+
+    if best is not None and _global_batch(gm) < 4:
+        # fewer than 2 micro-batches per stage of even a 2-stage pipeline: half the devices
+        # would idle, so with a plan that fits the search is skipped (it costs seconds at scale)
+        return best
+    choice = search_pipeline(gm, n_gpus, hw, train, budget, progress=progress)
+    if choice is None or (best is not None and choice.step_seconds >= best.step_seconds):
+        return best
+    note = ("pipeline stages win: " + (f"{choice.step_seconds * 1e3:,.1f} ms vs {best.step_seconds * 1e3:,.1f} ms "
+                                       f"without" if best is not None else "nothing fits without them"))
+    return pipeline_plan(choice, gm, n_gpus, hw, train, budget, "auto", model_name, baselines,
+                         seconds=time.perf_counter() - t0, note=note)

@@ -1,0 +1,114 @@
+"""Cost of a pipeline schedule: step time with its bubble, activations in flight, bytes between stages.
+
+A stage is priced for one micro-batch by the ordinary cost model on its sub-mesh (its plan's
+step time, parameter-state and activation bytes); this module composes the stages.
+
+Schedules (p stages, m micro-batches, v model chunks per device for interleaved 1F1B;
+Narayanan et al. 2021, arXiv 2104.04473, section 2.2; FACTS.md):
+
+* step time      ``(m - 1) * t_max + sum_k t_k``  for GPipe and 1F1B (fill, steady state at the
+                 slowest stage, drain; with equal stages ``(m + p - 1) t``, bubble ``(p - 1)/m``
+                 of the ideal ``m t``); interleaved: ``(m + (p - 1)/v) * t_max`` where t_max is a
+                 device's time for one micro-batch over its v chunks, bubble ``(p - 1)/(v m)``.
+* activations    GPipe keeps all m micro-batches of a stage alive until their backward; 1F1B
+                 at most ``p - k`` at stage k (warm-up of p - k - 1 forwards plus one);
+                 interleaved (torch's ScheduleInterleaved1F1B warm-up) at most
+                 ``(v - 1) p + 2 (p - k - 1) + 1`` chunk micro-batches on device k, spread
+                 over its v chunks.
+* point-to-point the tensors that cross each stage boundary, forward (activations) and
+                 backward (their gradients; floating-point tensors only), once per micro-batch,
+                 priced on the link the pp axis crosses (``p2p_s``: S/B + a).
+
+Communication does not overlap compute here (as in the rest of the cost model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.mesh import Link
+
+from .comm import p2p_s
+
+__all__ = ["SCHEDULES", "bubble_fraction", "activations_in_flight", "StageCost", "PipelineCost", "pipeline_cost"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def _check(schedule: str, p: int, m: int, v: int) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; pick one of {', '.join(SCHEDULES)}")
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"pipeline needs p, m, v >= 1, got p={p}, m={m}, v={v}")
+    if (schedule == "interleaved-1f1b") != (v > 1):
+        raise ValueError(f"{schedule} with v={v}: only interleaved-1f1b has v > 1 chunks per device")
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Idle time over ideal time: (p - 1)/m, interleaved (p - 1)/(v m)."""
+    _check(schedule, p, m, v)
+    return (p - 1) / (v * m)
+
+
+def activations_in_flight(schedule: str, p: int, m: int, stage: int, v: int = 1) -> float:
+    """Micro-batches whose activations device ``stage`` (0-based on the pp axis) holds at
+    its peak, per model chunk it runs (see module doc)."""
+    _check(schedule, p, m, v)
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(p - stage, m))
+    return min(v * m, (v - 1) * p + 2 * (p - stage - 1) + 1) / v
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage (or, interleaved, one chunk) for one micro-batch on its sub-mesh."""
+
+    seconds: float  # forward + backward + its own collectives, one micro-batch
+    param_state_bytes: float  # weights, gradients, optimizer state per device
+    activation_bytes: float  # kept for backward, one micro-batch, per device
+    send_bytes: float = 0.0  # what it hands the next stage per micro-batch (whole tensors)
+    send_grad_bytes: float = 0.0  # the gradients of what it received, sent back per micro-batch
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    schedule: str
+    n_stages: int
+    n_microbatches: int
+    virtual_stages: int
+    step_seconds: float
+    bubble_fraction: float
+    bubble_seconds: float
+    stage_seconds: tuple[float, ...]  # per device, one micro-batch, its chunks and sends included
+    stage_memory_bytes: tuple[float, ...]  # peak per device of each pp position
+    p2p_bytes_per_step: float  # sent by one device of the busiest boundary, per step
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(self.stage_memory_bytes)
+
+
+def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v: int = 1) -> PipelineCost:
+    """Compose ``stages`` (``p * v`` of them, in model order; device k runs k, k + p, ...)."""
+    if len(stages) % v:
+        raise ValueError(f"{len(stages)} stages do not split into v={v} chunks per device")
+    p = len(stages) // v
+    _check(schedule, p, m, v)
+    dev_seconds, dev_memory, p2p = [], [], 0.0
+    for k in range(p):
+        chunks = [stages[k + j * p] for j in range(v)]
+        send = sum(p2p_s(c.send_bytes, link) + p2p_s(c.send_grad_bytes, link) for c in chunks)
+        dev_seconds.append(sum(c.seconds for c in chunks) + send)
+        flight = activations_in_flight(schedule, p, m, k, v)
+        dev_memory.append(sum(c.param_state_bytes + flight * c.activation_bytes for c in chunks))
+        p2p = max(p2p, m * sum(c.send_bytes + c.send_grad_bytes for c in chunks))
+    t_max = max(dev_seconds)
+    if v == 1:
+        step = (m - 1) * t_max + sum(dev_seconds)
+    else:
+        step = (m + (p - 1) / v) * t_max
+    ideal = m * t_max
+    return PipelineCost(schedule, p, m, v, step, bubble_fraction(schedule, p, m, v), step - ideal,
+                        tuple(dev_seconds), tuple(dev_memory), p2p)

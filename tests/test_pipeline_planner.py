@@ -1,0 +1,97 @@
+"""Pipeline planning: schedule cost formulas, cutting a graph into a chain of stages, and the
+planner choosing pipeline stages where they win and not where they lose (no process group)."""
+
+import time
+
+import pytest
+import torch
+
+import autopar
+from autopar.cost_model.hardware import get_hardware
+from autopar.cost_model.pipeline import StageCost, activations_in_flight, bubble_fraction, pipeline_cost
+from autopar.errors import AutoparError
+from autopar.models import get_model, gpt
+from autopar.passes.split_stages import REQUIRES_GRAD_KEY, split_stages
+from autopar.report import format_report
+
+LINK = get_hardware("a100-80gb").inter_node
+
+
+def test_bubble_and_activations_follow_the_schedules():
+    assert bubble_fraction("gpipe", 4, 8) == bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 8)
+    assert bubble_fraction("interleaved-1f1b", 4, 8, v=2) == pytest.approx(3 / 16)
+    # GPipe holds every micro-batch, 1F1B at most p - stage
+    assert [activations_in_flight("gpipe", 4, 8, k) for k in range(4)] == [8, 8, 8, 8]
+    assert [activations_in_flight("1f1b", 4, 8, k) for k in range(4)] == [4, 3, 2, 1]
+    assert activations_in_flight("1f1b", 4, 2, 0) == 2  # never more than there are
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        bubble_fraction("zigzag", 2, 2)
+
+
+def test_equal_stages_take_m_plus_p_minus_1_slots():
+    stage = StageCost(seconds=1e-3, param_state_bytes=1e9, activation_bytes=1e8)
+    pc = pipeline_cost([stage] * 4, "1f1b", 8, LINK)
+    assert pc.step_seconds == pytest.approx((8 + 4 - 1) * 1e-3)
+    assert pc.bubble_seconds / (8 * 1e-3) == pytest.approx(pc.bubble_fraction)
+    gp = pipeline_cost([stage] * 4, "gpipe", 8, LINK)
+    assert gp.step_seconds == pc.step_seconds and gp.peak_memory_bytes > pc.peak_memory_bytes
+    assert pc.stage_memory_bytes[0] == pytest.approx(1e9 + 4 * 1e8)
+    # a boundary's sends are priced on the pp link and slow every stage that makes them
+    sending = StageCost(1e-3, 1e9, 1e8, send_bytes=1e8, send_grad_bytes=1e8)
+    slow = pipeline_cost([sending] * 4, "1f1b", 8, LINK)
+    assert slow.step_seconds > pc.step_seconds and slow.p2p_bytes_per_step == pytest.approx(8 * 2e8)
+
+
+def test_stages_chain_to_the_model_output():
+    torch.manual_seed(0)
+    model, inputs = gpt("gpt-tiny", batch_size=2, seq_len=8, n_layer=4)
+    gm = autopar.trace(model, inputs)
+    stages = split_stages(gm, (1, 2, 1))
+    args = inputs
+    for k, g in enumerate(stages):
+        if k:  # activations from an earlier stage want their gradient; integer targets do not
+            flags = {n.name: n.meta.get(REQUIRES_GRAD_KEY, False) for n in g.graph.nodes if n.op == "placeholder"}
+            assert flags["targets"] is False and any(flags.values())
+        out = g(*args)
+        args = out if isinstance(out, tuple) else (out,)
+    torch.testing.assert_close(args[0], model(*inputs))
+    with pytest.raises(AutoparError, match="add up to the model's 4 blocks"):
+        split_stages(gm, (1, 1))
+
+
+def test_small_model_in_one_node_does_not_pipeline():
+    # GPT-2 small at batch 64 on one node of 8: data/tensor parallel beat every pipeline
+    model, inputs = get_model("gpt2", batch_size=64, device="meta")
+    p = autopar.plan(model, 8, inputs, baselines=False)
+    assert p.pipeline is None and "pp" not in p.mesh.axes
+
+
+def test_pp_pins_and_round_trips():
+    model, inputs = get_model("gpt2", batch_size=8, device="meta")
+    pinned = autopar.plan(model, 8, inputs, mesh="pp=4,dp=2")
+    assert pinned.pipeline.n_stages == 4 and pinned.mesh.axes == ("pp", "dp")
+    assert sum(pinned.pipeline.stage_blocks) == 12 and pinned.pipeline.stage_mesh == "dp=2"
+    assert pinned.pipeline.bubble_fraction == pytest.approx(3 / pinned.pipeline.n_microbatches)
+    assert autopar.Plan.from_json(pinned.to_json()).pipeline == pinned.pipeline
+    text = format_report(pinned)
+    assert "pipeline: 4 stages" in text and "bubble" in text and "embeddings" in text and "head" in text
+    chosen = autopar.plan(model, 8, inputs, strategy="pp", baselines=False)
+    assert chosen.pipeline is not None and chosen.strategy == "pp"
+    with pytest.raises(AutoparError, match="pp axis must come first"):
+        autopar.plan(model, 8, inputs, mesh="dp=2,pp=4")
+
+
+@pytest.mark.slow
+def test_gpt3_on_1024_gpus_pipelines(report_line):
+    # GPT-3 175B at its published batch (1536 x 2048 tokens) on 128 nodes of 8 A100-80GB:
+    # without stages the activations do not fit; the planner finds stages on its own
+    model, inputs = get_model("gpt3-175b", batch_size=1536, device="meta")
+    t0 = time.perf_counter()
+    p = autopar.plan(model, 1024, inputs, baselines=False)
+    seconds = time.perf_counter() - t0
+    assert p.pipeline is not None and p.mesh.axes[0] == "pp" and p.pipeline.n_stages >= 2
+    assert p.peak_memory_bytes_per_device <= p.memory_budget_bytes
+    assert max(s.peak_memory_bytes for s in p.pipeline.stages) <= p.memory_budget_bytes
+    report_line(f"gpt3-175b batch 1536 on 1024 a100-80gb: {p.mesh}, {p.pipeline.schedule}, "
+                f"{p.pipeline.n_microbatches} micro-batches, bubble {p.pipeline.bubble_fraction:.1%}, "
+                f"step {p.step_seconds:.2f} s, planned in {seconds:.1f} s")
