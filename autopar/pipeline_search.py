@@ -34,7 +34,9 @@ import torch.fx as fx
 
 from autopar.cost_model.hardware import Hardware
 from autopar.cost_model.pipeline import StageCost, activations_in_flight, pipeline_cost
+from autopar.cost_model.comm import collective_s
 from autopar.cost_model.costs import TrainingSpec
+from autopar.cost_model.fsdp_pricing import fsdp_fusions
 from autopar.mesh import Link, MeshSpec
 
 from .errors import AutoparError
@@ -70,6 +72,7 @@ class _Part:
 def _split_costs(plan: Plan) -> _Part:
     """The plan's predicted costs split as _Part says (the same terms evaluate() adds up)."""
     problem, choice = plan._problem, plan._choice
+    mesh = problem.mesh
     batch = use = step = params = acts = 0.0
     for key, d in problem.decisions.items():
         i = choice[key]
@@ -86,11 +89,16 @@ def _split_costs(plan: Plan) -> _Part:
             use += seconds
         else:
             batch += seconds
+    fused, regathers = fsdp_fusions(problem, choice)  # ZeRO-3 as runtime.fsdp runs it, per micro-batch
+    for st, count in regathers:
+        use += collective_s(st.collective, st.nbytes, mesh.sizes[st.axis], mesh.links[st.axis]) * count
     for g in problem.syncs:
         if g.param and g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
             continue
         if any(choice[k] == i for k, i in g.triggers):
-            if g.param:  # once per step, after the schedule (runtime.pipeline defers them)
+            if (g.tensor, g.axis, g.layout) in fused:  # the gather's reduce-scatter, per micro-batch
+                use += collective_s("reduce_scatter", g.nbytes, mesh.sizes[g.axis], mesh.links[g.axis]) * g.count
+            elif g.param:  # once per step, after the schedule (runtime.pipeline defers them)
                 step += g.seconds
             else:
                 batch += g.seconds

@@ -30,7 +30,7 @@ from autopar.strategy import Layout, Strategy
 from autopar.trace import graph_fingerprint, trace
 
 from . import collectives as C
-from .fsdp import regather_saved_weights
+from .fsdp import fsdp_gather, regather_saved_weights
 from .grad_buckets import GradBuckets
 
 __all__ = ["parallelize", "ParallelModule"]
@@ -101,6 +101,15 @@ def _match_strategies(gm: fx.GraphModule, plan: Plan) -> dict[str, Strategy]:
     return chosen
 
 
+def _has_fsdp_gathers(program: fx.GraphModule) -> bool:
+    """Whether ``program`` gathers ZeRO-3 weights whose backward re-gathers (cached on it)."""
+    found = program.meta.get("autopar_fsdp_gathers")
+    if found is None:
+        found = program.meta["autopar_fsdp_gathers"] = any(
+            n.op == "call_function" and n.target is fsdp_gather for n in program.graph.nodes)
+    return found
+
+
 class ParallelModule(nn.Module):
     """The per-rank module ``parallelize`` returns. ``.plan`` is the plan it runs."""
 
@@ -133,6 +142,8 @@ class ParallelModule(nn.Module):
             if key not in self._variants:
                 self._variants[key] = self._relower(local_inputs=local_inputs, local_outputs=local_outputs)
             program = self._variants[key]
+        if not _has_fsdp_gathers(program):  # no saved-tensor hooks where nothing is re-gathered
+            return program(*args, **kwargs)
         with regather_saved_weights(program):  # ZeRO-3 weights are not kept gathered for backward (runtime/fsdp.py)
             return program(*args, **kwargs)
 

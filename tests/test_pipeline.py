@@ -85,7 +85,9 @@ def test_pipeline_equals_single_process(world_case, launch, reference, report_li
     for k, g in ref_grads.items():
         torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
     for k, p in ref_params.items():
-        torch.testing.assert_close(got["params"][k], p, rtol=1e-4, atol=1e-6, msg=lambda m: f"param {k}: {m}")
+        # AdamW scales every update to about lr: gradients equal to 1e-6 can move a parameter
+        # near zero by 1e-6 after three steps (test_runtime allows the same)
+        torch.testing.assert_close(got["params"][k], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"param {k}: {m}")
     # every loss a rank reports is the same (the last stage broadcasts it along its pipeline)
     for r in got["ranks"]:
         assert r["losses"] == got["losses"]
