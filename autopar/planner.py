@@ -37,12 +37,14 @@ from .mesh import MeshSpec
 from .passes.annotate import annotate
 from .passes.rules import tensor_leaves
 from .plan import BaselineResult, NodePlan, Plan, SolverStats
+from .tp_families import SP_FAMILIES, TP_FAMILIES, family_meshes
 from .trace import graph_fingerprint, trace
 
 __all__ = ["plan", "STRATEGY_FAMILIES", "candidate_meshes"]
 
 aten = torch.ops.aten
-STRATEGY_FAMILIES = ("auto", "dp", "zero2", "zero3", "megatron", "megatron-sp", "megatron-dp", "pp")
+STRATEGY_FAMILIES = ("auto", "dp", "zero2", "zero3", "megatron", "megatron-sp", "megatron-dp", "2d", "2.5d", "3d",
+                     "sp", "ulysses", "ring", "pp")
 _LAYER_NORMS = {aten.layer_norm.default, aten.rms_norm.default}
 
 
@@ -182,7 +184,22 @@ def _family_meshes(family: str, n: int, hw: Hardware) -> list[tuple[MeshSpec, Pi
             if n % tp == 0 and n // tp > 1 and tp <= hw.devices_per_node:
                 out.append((hw.mesh_spec(("dp", "tp"), (n // tp, tp)), _pin([0], [1], False, False)))
         return out
+    if family in TP_FAMILIES + SP_FAMILIES:  # multi-dimensional and sequence parallel: autopar.tp_families
+        return family_meshes(family, n, hw)
     raise AutoparError(f"unknown strategy family {family!r}; pick one of {', '.join(STRATEGY_FAMILIES)}")
+
+
+def _pin_for_mesh(family: str, spec: MeshSpec, n: int, hw: Hardware) -> Pin:
+    """The family's pin for a user-given mesh: the one made for a mesh of as many axes."""
+    options = _family_meshes(family, n, hw)
+    for m, pin in options:
+        if m.ndim == spec.ndim:
+            return pin
+    if not options:
+        raise AutoparError(f"strategy {family!r} has no layout on {n} devices")
+    want = sorted({m.ndim for m, _ in options})
+    raise AutoparError(f"strategy {family!r} needs a mesh of {' or '.join(map(str, want))} axes "
+                       f"(e.g. {options[0][0]}), got {spec}; pass such a mesh or leave the mesh out")
 
 
 # --- solving -------------------------------------------------------------------------------
@@ -342,7 +359,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
         spec = MeshSpec.parse(mesh, n_gpus) if isinstance(mesh, str) else mesh
         spec.check_devices(n_gpus)
         spec = hw.mesh_spec(spec.axes, spec.sizes)
-        candidates = [(spec, None if strategy == "auto" else _family_meshes(strategy, n_gpus, hw)[0][1])]
+        candidates = [(spec, None if strategy == "auto" else _pin_for_mesh(strategy, spec, n_gpus, hw))]
     elif strategy == "auto":
         candidates = [(m, _outer_data_axis if m.ndim == 3 else None) for m in candidate_meshes(n_gpus, hw)]
     else:

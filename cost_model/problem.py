@@ -40,6 +40,9 @@ from autopar.passes.annotate import STRATEGIES_KEY
 from autopar.passes.rules import tensor_leaves
 from autopar.strategy import REPLICATE_CODE, Layout, Strategy
 
+from autopar.tp_families import is_ring_attention, ring_axes
+
+from .algorithms import ring_attention_steps
 from .buckets import bucketed_all_reduce_s
 from .comm import all_reduce_s
 from .costs import TrainingSpec, activation_bytes, compute_seconds, param_state_bytes
@@ -391,6 +394,12 @@ class _Builder:
         if n.op == "placeholder" and self.needs.get(n.name, False):
             self.add_input_grad(n, d)
         for i, (st, zero_axes) in enumerate(options):
+            if n.op == "call_function" and is_ring_attention(n, st):
+                steps = self.ring_steps(n, st)
+                sec = steps_seconds(steps, self.mesh) * count
+                d.seconds[i] += sec
+                d.comm_seconds[i] += sec
+                d.comm_steps[i].extend((step, count) for step in steps)
             if is_param and zero_axes:
                 # ZeRO-2's reduce-scatter + all-gather replace the gradient all-reduces on its
                 # axes: the option pays for them and releases those all-reduces (the ILP's sync
@@ -401,6 +410,14 @@ class _Builder:
                 d.seconds[i] += sec
                 d.comm_seconds[i] += sec
                 d.comm_steps[i].extend((step, count) for step in steps)
+
+    def ring_steps(self, n: fx.Node, st: Strategy) -> list[CommStep]:
+        """Ring attention's sends (``cost_model.algorithms``): K and V blocks around the ring."""
+        (axis,) = ring_axes(n, st)
+        k, v = n.args[1], n.args[2]
+        kb = _tensor_bytes(k.meta["val"], self.train) * st.inputs[1].local_fraction(self.mesh)
+        vb = _tensor_bytes(v.meta["val"], self.train) * st.inputs[2].local_fraction(self.mesh)
+        return ring_attention_steps(kb, vb, self.mesh.sizes[axis], axis, self.needs[n.name])
 
     def add_input_grad(self, n: fx.Node, d: Decision) -> None:
         """An input whose gradient is wanted (a pipeline stage's input) is cut from the whole

@@ -24,6 +24,7 @@ from autopar.mesh import MeshSpec
 from autopar.runtime import collectives as C
 from autopar.runtime import fsdp as F
 from autopar.strategy import REPLICATE_CODE, PARTIAL_AVG_CODE, Layout, Replicate, Strategy
+from autopar.tp_families import is_ring_attention, ring_axes
 
 from .defer_sync import ParamUse, defer_param_syncs, fsdp_axis
 from .rules import get_rule, has_rule, tensor_leaves
@@ -192,10 +193,26 @@ class _Lowering:
             lambda x: next(inputs) if _is_tensor_node(x) else (self.env[x.name] if isinstance(x, fx.Node) else x),
             (node.args, node.kwargs))
         args, kwargs = self.localize(node, tuple(args), kwargs, s)
-        out = self.graph.call_function(node.target, tuple(args), kwargs)
+        if is_ring_attention(node, s):
+            out = self.ring_attention(node, s, tuple(args), kwargs)
+        else:
+            out = self.graph.call_function(node.target, tuple(args), kwargs)
         out.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
         self.env[node.name] = out
         self.layouts[node.name] = s.outputs
+
+    def ring_attention(self, node: fx.Node, s: Strategy, args: tuple, kwargs: dict) -> fx.Node:
+        """Attention with Q, K, V split on the sequence: K/V blocks go around the axis's ring
+        (``runtime.ring_attention``; the rule offers this only without a mask or dropout)."""
+        from autopar.runtime.ring_attention import ring_attention
+
+        (axis,) = ring_axes(node, s)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        return self.graph.call_function(ring_attention, (bound["query"], bound["key"], bound["value"],
+                                                         self.groups[axis]),
+                                        {"causal": bool(bound.get("is_causal", False)), "scale": bound.get("scale")})
 
     def do_call_module(self, node: fx.Node) -> None:
         raise NotImplementedError(f"call_module {node.target} in a traced graph: trace with autopar.trace")

@@ -13,12 +13,12 @@ import torch.utils._pytree as pytree
 from . import ops_matmul, ops_nn, ops_pointwise, ops_view  # noqa: F401  (registers the rules)
 from .registry import (Rule, RuleError, RuleFn, SampleFn, get_rule, has_rule, op_name, register_rule,
                        registered_ops, temporary_rule)
-from .spec import REPLICATED, AxisOption, OpSpec, TensorInfo, axis_options, elementwise_spec, expand
+from .spec import REPLICATED, AxisOption, OpSpec, TensorInfo, axis_options, elementwise_spec, expand, without_algorithms
 
 __all__ = [
     "Rule", "RuleError", "RuleFn", "SampleFn", "get_rule", "has_rule", "op_name", "register_rule",
     "registered_ops", "temporary_rule", "REPLICATED", "AxisOption", "OpSpec", "TensorInfo", "axis_options",
-    "elementwise_spec", "expand", "tensor_leaves", "tensor_info",
+    "elementwise_spec", "expand", "tensor_leaves", "tensor_info", "without_algorithms",
 ]
 
 

@@ -4,6 +4,7 @@ reductions, scans and tensor factories."""
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import Shard
 
 from ._samples import call, rand, randint
 from .registry import register_rule
@@ -80,7 +81,13 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         target = q.shape[: q.dim() - 2] + (q.shape[-2], k.shape[-2])
         target = target[len(target) - attn_mask.dim():]
         specs.append("".join("_" if ms != ts else c for c, ms, ts in zip(m, attn_mask.shape, target)))
-    return OpSpec(",".join(specs) + f"->{lead_q}{s}e", linear=(frozenset({2}),))
+    # Ring attention (runtime.ring_attention): Q, K and V split on the sequence on one axis, K/V
+    # blocks passed around the ring with an online softmax; causal masks are block masks there.
+    ring = ()
+    if attn_mask is None and not dropout_p and not enable_gqa and q.shape[-2] == k.shape[-2]:
+        seq = Shard(q.dim() - 2)
+        ring = (((seq, Shard(k.dim() - 2), Shard(v.dim() - 2)), (seq,)),)
+    return OpSpec(",".join(specs) + f"->{lead_q}{s}e", linear=(frozenset({2}),), algorithm=ring)
 
 
 _REDUCTIONS = {0: None, 1: "avg", 2: "sum"}  # torch's Reduction enum: none, mean, sum

@@ -33,7 +33,8 @@ from torch.distributed.tensor.placement_types import Placement
 from autopar.mesh import MeshSpec
 from autopar.strategy import _INTERNED, Layout, Strategy, placement_code
 
-__all__ = ["OpSpec", "REPLICATED", "AxisOption", "TensorInfo", "axis_options", "expand", "elementwise_spec"]
+__all__ = ["OpSpec", "REPLICATED", "AxisOption", "TensorInfo", "axis_options", "expand", "elementwise_spec",
+           "without_algorithms"]
 
 AxisOption = tuple[tuple[Placement, ...], tuple[Placement, ...]]  # (input placements, output placements)
 
@@ -57,6 +58,11 @@ class OpSpec:
     shape_arg: int | None = None
     # Options that the notation cannot express, added as they are.
     extra: tuple[AxisOption, ...] = field(default=())
+    # Options the op itself cannot run on local pieces but a runtime algorithm can (ring
+    # attention: Q, K and V all split on the sequence). At most one mesh axis takes one; the
+    # lowering calls the algorithm, and its own multi-process test (not ``passes.validate``,
+    # which runs the op on each piece) checks it against the unsharded op.
+    algorithm: tuple[AxisOption, ...] = field(default=())
 
     def parsed(self, n_in: int, n_out: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Dims per input and per output. An empty side is one 0-d tensor or none, as the op has."""
@@ -100,7 +106,8 @@ def axis_options(spec: OpSpec, n_in: int, n_out: int) -> tuple[AxisOption, ...]:
                  tuple(Partial(op) for _ in outs))
             )
     options.extend(spec.extra)
-    return tuple(dict.fromkeys(options))
+    options = [o for o in dict.fromkeys(options) if o not in spec.algorithm]
+    return tuple(options) + tuple(dict.fromkeys(spec.algorithm))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -144,8 +151,12 @@ def expand(spec: OpSpec, inputs: Sequence[TensorInfo], outputs: Sequence[TensorI
         if len(dims) != len(info.shape):
             raise ValueError(f"spec {spec.einsum!r}: {dims!r} names {len(dims)} dims, tensor has shape {info.shape}")
     per_axis = _axis_option_codes(spec, len(inputs), len(outputs))
+    first_algorithm = len(per_axis) - len(set(spec.algorithm))
     strategies: dict[Strategy, None] = {}
-    for combo in itertools.product(per_axis, repeat=mesh.ndim):
+    for picks in itertools.product(range(len(per_axis)), repeat=mesh.ndim):
+        if spec.algorithm and sum(i >= first_algorithm for i in picks) > 1:
+            continue  # an algorithm runs over one mesh axis
+        combo = [per_axis[i] for i in picks]
         in_layouts = tuple(_layout([opt[0][k] for opt in combo]) for k in range(len(inputs)))
         out_layouts = tuple(_layout([opt[1][k] for opt in combo]) for k in range(len(outputs)))
         if all(_ok(l, i, mesh) for l, i in zip(in_layouts, inputs)) and all(
@@ -153,6 +164,15 @@ def expand(spec: OpSpec, inputs: Sequence[TensorInfo], outputs: Sequence[TensorI
         ):
             strategies[Strategy(in_layouts, out_layouts)] = None
     return list(strategies)
+
+
+def without_algorithms(spec: OpSpec) -> OpSpec:
+    """``spec`` with only the options the op runs on local pieces itself."""
+    if not spec.algorithm:
+        return spec
+    from dataclasses import replace
+
+    return replace(spec, algorithm=())
 
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
