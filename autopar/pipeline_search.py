@@ -36,6 +36,7 @@ from autopar.cost_model.hardware import Hardware
 from autopar.cost_model.pipeline import StageCost, activations_in_flight, pipeline_cost
 from autopar.cost_model.comm import collective_s
 from autopar.cost_model.costs import TrainingSpec
+from autopar.cost_model.evaluate import shared_reshards
 from autopar.cost_model.fsdp_pricing import fsdp_fusions
 from autopar.mesh import Link, MeshSpec
 
@@ -82,9 +83,10 @@ def _split_costs(plan: Plan) -> _Part:
         else:
             batch += d.seconds[i]
             acts += d.memory_bytes[i]
-    for e in problem.edges:
+    shared = shared_reshards(problem, choice)  # copies that reuse another op's reshard
+    for idx, e in enumerate(problem.edges):
         a, b = e.producer_layouts[choice[e.producer]], e.consumer_layouts[choice[e.consumer]]
-        seconds = e.seconds[(a, b)]
+        seconds = e.seconds[(a, b)] * (e.count - shared.get(idx, 0)) / e.count
         if problem.decisions[e.producer].is_param:
             use += seconds
         else:

@@ -124,6 +124,8 @@ def grid_pin(batch_axes: Sequence[int], zero3_axes: Sequence[int], tp_axes: Sequ
                 return False
             if not all(isinstance(pl[a], Shard) for a in tp_axes):
                 return False
+            if len({layout.codes[a] for a in tp_axes}) < len(tp_axes):
+                return False  # 3D cuts k on one axis and n on the other, not one dim twice
         if val.dim() > 0 and int(val.shape[0]) in batches(node):
             for layout in strategy.outputs:
                 pl = layout.placements

@@ -14,15 +14,16 @@ __all__ = ["ring_attention_steps"]
 
 
 def ring_attention_steps(k_local_bytes: float, v_local_bytes: float, n: int, axis: int,
-                         backward: bool) -> list[CommStep]:
+                         backward: bool, elem_bytes: float = 4.0) -> list[CommStep]:
     """Ring attention over ``n`` ranks of ``axis``: forward, ``n - 1`` steps that each send the
-    current K and V blocks to the next rank; backward, K and V travel the ring again (``n - 1``
-    steps) with their gradient accumulators, which travel one step further (``n`` sends) to
-    arrive back at the block's owner."""
+    current K and V blocks (one message) to the next rank; backward, K and V travel the ring
+    again (``n - 1`` steps) and their gradient accumulators, kept in fp32 whatever the
+    activations' ``elem_bytes``, travel one step further (``n`` sends) back to the owner."""
     if n <= 1:
         return []
-    kv = [CommStep("p2p", axis, k_local_bytes), CommStep("p2p", axis, v_local_bytes)]
-    steps = kv * (n - 1)
+    kv = CommStep("p2p", axis, k_local_bytes + v_local_bytes)
+    steps = [kv] * (n - 1)
     if backward:
-        steps += kv * (n - 1) + kv * n
+        grad = CommStep("p2p", axis, (k_local_bytes + v_local_bytes) * max(elem_bytes, 4.0) / elem_bytes)
+        steps += [kv] * (n - 1) + [grad] * n
     return steps

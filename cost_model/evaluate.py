@@ -12,10 +12,41 @@ from dataclasses import dataclass, field
 
 from .comm import bytes_sent_per_rank, collective_s
 from .fsdp_pricing import fsdp_fusions
-from .problem import Problem
-from .reshard import reshard_steps
+from .problem import Problem, partial_grad_axes
+from .reshard import reshard_steps, transitions
 
-__all__ = ["Prediction", "evaluate"]
+__all__ = ["Prediction", "evaluate", "shared_reshards"]
+
+
+def shared_reshards(problem: Problem, choice: dict[str, int]) -> dict[int, int]:
+    """Per edge index, how many of its copies the runtime does not reshard: another consumer
+    already moved the same tensor to the same layout and synchronizes its gradient there, so
+    this one uses that value (``passes.lower``: one reshard, one gradient sync). The ILP
+    prices each edge on its own (an over-estimate where layouts coincide); this is exact."""
+    from autopar.strategy import REPLICATE_CODE
+
+    seen: set[tuple] = set()
+    out: dict[int, int] = {}
+    for idx, e in enumerate(problem.edges):
+        if not (e.needs_grad and e.tensor):
+            continue
+        a = e.producer_layouts[choice[e.producer]]
+        b = e.consumer_layouts[choice[e.consumer]]
+        if not transitions(a, b):
+            continue
+        producer = problem.decisions[e.producer]
+        zero = producer.options[choice[e.producer]][1] if producer.is_param else ()
+        st = problem.decisions[e.consumer].options[choice[e.consumer]][0]
+        first = next((x for x in partial_grad_axes(st, problem.mesh)
+                      if b.codes[x] == REPLICATE_CODE and x not in zero), None)
+        if first is None:
+            continue
+        for source in e.sources or [e.tensor]:
+            key = (source, b, first)
+            if key in seen:
+                out[idx] = out.get(idx, 0) + 1
+            seen.add(key)
+    return out
 
 
 @dataclass(frozen=True)
@@ -51,13 +82,17 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
             acts_b += d.memory_bytes[i]
         for step, count in d.comm_steps[i]:
             sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * count
-    for e in problem.edges:
+    shared = shared_reshards(problem, choice)
+    for idx, e in enumerate(problem.edges):
+        copies = e.count - shared.get(idx, 0)
+        if not copies:
+            continue
         a = e.producer_layouts[choice[e.producer]]
         b = e.consumer_layouts[choice[e.consumer]]
-        comm_s += e.seconds[(a, b)]
+        comm_s += e.seconds[(a, b)] * copies / e.count
         fwd, bwd = reshard_steps(a, b, e.total_bytes, mesh, e.needs_grad)
         for step in fwd + bwd:
-            sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * e.count
+            sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * copies
     fused, regathers = fsdp_fusions(problem, choice)  # ZeRO-3 as runtime.fsdp runs it
     for step, count in regathers:
         comm_s += collective_s(step.collective, step.nbytes, mesh.sizes[step.axis], mesh.links[step.axis]) * count

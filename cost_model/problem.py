@@ -95,6 +95,7 @@ class EdgeTerm:
     needs_grad: bool = False
     tensor: str = ""  # the tensor moved, as SyncTerm.tensor names it (ZeRO-3 pricing: cost_model/fsdp_pricing.py)
     input_index: int = -1  # which tensor input of the consumer it is
+    sources: list[str] = field(default_factory=list)  # the actual tensor behind each of the ``count`` copies
 
 
 @dataclass
@@ -417,7 +418,8 @@ class _Builder:
         k, v = n.args[1], n.args[2]
         kb = _tensor_bytes(k.meta["val"], self.train) * st.inputs[1].local_fraction(self.mesh)
         vb = _tensor_bytes(v.meta["val"], self.train) * st.inputs[2].local_fraction(self.mesh)
-        return ring_attention_steps(kb, vb, self.mesh.sizes[axis], axis, self.needs[n.name])
+        return ring_attention_steps(kb, vb, self.mesh.sizes[axis], axis, self.needs[n.name],
+                                    self.train.activation_bytes_per_elem)
 
     def add_input_grad(self, n: fx.Node, d: Decision) -> None:
         """An input whose gradient is wanted (a pipeline stage's input) is cut from the whole
@@ -561,6 +563,7 @@ class _Builder:
                                              tensor=f"{self.rep[u.name]}[{out_idx}]", input_index=k)
                     edge_syncs[key] = (self.add_syncs(sync_acc, (self.rep[u.name], out_idx), dv, k, total)
                                        if grad else [])
+                edge_acc[key].sources.append(f"{u.name}[{out_idx}]")
                 for skey in edge_syncs[key]:
                     producers[skey].add(f"{u.name}[{out_idx}]")
         edges = list(edge_acc.values())

@@ -89,13 +89,18 @@ def _transitions(src_codes: tuple[int, ...], want: tuple[int, ...]) -> tuple[Tra
                    for b in range(ndim))}
     gather = {a for a in range(ndim) if cur[a] >= 0 and cur[a] != want[a] and a not in a2a}
     slices = {a for a in range(ndim) if want[a] >= 0 and cur[a] != want[a] and a not in a2a}
+    # a Partial axis that will cut a dim (reduce-scatter, or all-reduce then slice)
+    partial_cuts = {a for a in range(ndim) if _is_partial(cur[a]) and want[a] >= 0}
     changed = True
     while changed:  # gathering or slicing an outer axis needs the inner axes of that dim whole
         changed = False
-        for a in list(gather | slices):
-            dim = cur[a] if a in gather else want[a]
+        for a in list(gather | slices | partial_cuts):
+            # the dim it gathers and the dim it cuts: both need the inner axes' pieces whole
+            dims = {cur[a]} if a in gather else set()
+            if a in slices or a in partial_cuts:
+                dims.add(want[a])
             for b in range(a + 1, ndim):
-                if cur[b] == dim and b not in gather and b not in a2a:
+                if cur[b] in dims and b not in gather and b not in a2a:
                     gather.add(b)
                     if want[b] >= 0:
                         slices.add(b)

@@ -95,7 +95,14 @@ class _Lowering:
         root = self.param_root(producer)
         zero = self.zero2.get(root, ())
         fsdp = fsdp_axis(src, dst, split, zero) if root and node.name not in self.followers else None
-        value = self.reshard(self.env[producer.name], src, dst, ndim, fsdp)
+        owner = node.name if node.name in self.followers else ""
+        first = next((a for a in split if dst.codes[a] == REPLICATE_CODE and a not in zero), None)
+        if first is not None and (producer.name, dst, (first,), owner) in self.synced:
+            # another op already moved this tensor to this layout and synchronizes its gradient
+            # there: share that value (one reshard, one sync; cost_model.evaluate prices it once)
+            value = self.env[producer.name]
+        else:
+            value = self.reshard(self.env[producer.name], src, dst, ndim, fsdp)
         if zero and node.name not in self.followers:
             # ZeRO-2's reduce-scatter sums the gradient over its axes: where this use leaves it
             # whole (replicated work, or a slice whose backward gathers), it enters divided by n.
@@ -104,7 +111,6 @@ class _Lowering:
                     value = self.call(C.grad_scale, value, 1.0 / self.mesh.sizes[a])
         # One gradient all-reduce per (tensor, layout, axis) among decision nodes; followers
         # keep their own, as the cost model prices them.
-        owner = node.name if node.name in self.followers else ""
         done: tuple[int, ...] = ()
         syncs = []
         for a in split:

@@ -129,7 +129,7 @@ class _Panels:
 
     def owners(self, t: int) -> tuple[int, slice, int, slice]:
         k0 = t * self.p
-        a_owner, a_off = divmod(k0, self.ka)
+        a_owner, a_off = divmod(k0, self.kb)
         b_owner, b_off = divmod(k0, self.kb)
         return a_owner, slice(a_off, a_off + self.p), b_owner, slice(b_off, b_off + self.p)
 
@@ -152,6 +152,7 @@ class _Summa(torch.autograd.Function):
         return c.view(*a.shape[:-1], b.shape[1])
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
         row, col, p = ctx.row, ctx.col, ctx.p
@@ -179,7 +180,7 @@ class _Summa(torch.autograd.Function):
                 _reduce_onto(db_part, b_owner, row)
                 if row.rank == b_owner:
                     db[b_rows] = db_part
-        return (da.view_as(a) if need_a else None), db, None, None, None, None
+        return (da.view(a.shape) if need_a else None), db, None, None, None, None
 
 
 def summa_matmul(a: torch.Tensor, b: torch.Tensor, row: AxisGroup | str, col: AxisGroup | str,

@@ -78,7 +78,8 @@ def test_seconds_price_the_counted_bytes():
     # Without latency the time is the bytes over the bandwidth; latency adds one hop per ring step:
     # n - 1 in the forward, n in the backward (the last one takes dK/dV home).
     wire = Link("wire", 100e9, 0.0)
-    assert ring_attention_seconds(b, h, s, d, 2, n, wire) == pytest.approx(ring_attention_bytes(b, h, s, d, 2, n) / 100e9)
+    sent_bytes = ring_attention_bytes(b, h, s, d, 2, n)
+    assert ring_attention_seconds(b, h, s, d, 2, n, wire) == pytest.approx(sent_bytes / 100e9)
     slow = Link("slow", 100e9, 1e-3)
     extra = ring_attention_seconds(b, h, s, d, 2, n, slow) - ring_attention_seconds(b, h, s, d, 2, n, wire)
     assert extra == pytest.approx((2 * n - 1) * 1e-3)
