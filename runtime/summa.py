@@ -63,6 +63,7 @@ all ranks of the grid must call the op with matching shapes and ``requires_grad`
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -121,15 +122,18 @@ def _reduce_onto(part: torch.Tensor, owner: int, g: AxisGroup) -> None:
 # --- the op ---------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
 class _Panels:
-    """Where panel ``t`` of K lives: the A-owner column and offset, the B-owner row and offset."""
+    """Where panel ``t`` of K lives: the A-owner column and offset, the B-owner row and offset.
+    ``ka``/``kb``: the local K extents of A and B blocks; ``p``: the panel width."""
 
-    def __init__(self, ka: int, kb: int, p: int):
-        self.ka, self.kb, self.p = ka, kb, p
+    ka: int
+    kb: int
+    p: int
 
     def owners(self, t: int) -> tuple[int, slice, int, slice]:
         k0 = t * self.p
-        a_owner, a_off = divmod(k0, self.kb)
+        a_owner, a_off = divmod(k0, self.ka)
         b_owner, b_off = divmod(k0, self.kb)
         return a_owner, slice(a_off, a_off + self.p), b_owner, slice(b_off, b_off + self.p)
 
