@@ -63,6 +63,15 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _parallelism_lines(plan: Plan) -> list[str]:
+    """The plan's layout family (1D / 2D / 2.5D / 3D tensor parallel) and sequence parallelism."""
+    if plan._problem is None or plan.pipeline is not None:
+        return []
+    from .tp_families import describe_parallelism
+
+    return ["", *describe_parallelism(plan)]
+
+
 def format_report(plan: Plan, max_rows: int = 40) -> str:
     mesh = plan.mesh
     axes = ", ".join(f"{a}={s} over {l.name}" for a, s, l in zip(mesh.axes, mesh.sizes, mesh.links))
@@ -79,6 +88,7 @@ def format_report(plan: Plan, max_rows: int = 40) -> str:
         "bytes sent / device   " + (", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in sorted(plan.comm_bytes.items()))
                                   or ("between stages: below; inside a stage: its own plan" if plan.pipeline
                                       else "none")),
+        *_parallelism_lines(plan),
         *_pipeline_lines(plan),
         "",
         "layouts (one row per op of each repeated block; placements per mesh axis, in order "

@@ -39,7 +39,8 @@ from torch.distributed.tensor import Replicate, Shard
 from .mesh import MeshSpec
 from .passes.rules import tensor_leaves
 
-__all__ = ["TP_FAMILIES", "SP_FAMILIES", "family_meshes", "layout_kind", "is_ring_attention", "RING_TARGETS"]
+__all__ = ["TP_FAMILIES", "SP_FAMILIES", "family_meshes", "layout_kind", "describe_parallelism", "is_ring_attention",
+           "ring_axes", "grid_pin", "sp_pin"]
 
 aten = torch.ops.aten
 TP_FAMILIES = ("2d", "2.5d", "3d")
@@ -287,3 +288,51 @@ def layout_kind(plan) -> str:
             depth = batch_axes - stored_axes - used_axes
             kind = "2.5D" if depth else "2D"
     return "+".join(k for k in (kind, "SP" if sp else "") if k)
+
+
+_KIND_WORDS = {
+    "replicated": "replicated (every device runs the whole model)",
+    "DP": "data parallel (weights whole on every device in use)",
+    "1D": "1D tensor parallel (Megatron: each weight matrix split on one axis)",
+    "2D": "2D tensor parallel (SUMMA/Optimus: weight panels split on two axes, rows of the activations on one)",
+    "2.5D": "2.5D tensor parallel (Tesseract: 2D on two axes, the batch split again over a depth axis)",
+    "3D": "3D tensor parallel (weights split on three axes; the matmul's k and n on two of them)",
+}
+
+
+def describe_parallelism(plan) -> list[str]:
+    """Report lines naming the plan's tensor layout family and its sequence parallelism."""
+    kind = layout_kind(plan)
+    if kind == "unknown":
+        return []
+    base, _, sp = kind.partition("+")
+    if base == "SP":
+        base, sp = "", "SP"
+    lines = [f"parallelism: {_KIND_WORDS.get(base, base) if base else 'sequence parallel only'}"]
+    if sp or base == "":
+        problem, choice = plan._problem, plan._choice
+        ring, heads = [], []
+        seq_axes: set[int] = set()
+        for key, d in problem.decisions.items():
+            st, _ = d.options[choice[key]]
+            node = d.node
+            val = node.meta.get("val")
+            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 2:
+                seq_axes |= {a for a, c in enumerate(st.output.codes) if c == 1}
+            if node.op == "call_function" and node.target in _ATTENTION:
+                if is_ring_attention(node, st):
+                    ring += [plan.mesh.axes[a] for a in ring_axes(node, st)]
+                elif any(c == 1 for c in st.inputs[0].codes):
+                    heads.append(node.name)
+            if node.op == "call_function" and node.target in (aten.layer_norm.default,):
+                seq_axes |= {a for a, c in enumerate(st.inputs[0].codes) if c == 1}
+        how = []
+        if ring:
+            how.append(f"ring attention over {', '.join(sorted(set(ring)))} (K/V blocks passed around the ring)")
+        if heads:
+            how.append("attention over heads (Ulysses: all-to-all from the sequence split)")
+        axes = ", ".join(plan.mesh.axes[a] for a in sorted(seq_axes)) or "-"
+        lines.append(f"sequence parallel: activations split on the sequence over {axes}"
+                     + (f"; {'; '.join(how)}" if how else "; layer norms and residuals sequence-split around "
+                                                        "tensor-parallel regions (Megatron-SP)"))
+    return lines

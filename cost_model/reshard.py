@@ -92,7 +92,7 @@ def _transitions(src_codes: tuple[int, ...], want: tuple[int, ...]) -> tuple[Tra
     # a Partial axis that will cut a dim (reduce-scatter, or all-reduce then slice)
     partial_cuts = {a for a in range(ndim) if _is_partial(cur[a]) and want[a] >= 0}
     changed = True
-    while changed:  # gathering or slicing an outer axis needs the inner axes of that dim whole
+    while changed:  # gathering or cutting an outer axis needs the inner axes of that dim whole
         changed = False
         for a in list(gather | slices | partial_cuts):
             # the dim it gathers and the dim it cuts: both need the inner axes' pieces whole
@@ -100,8 +100,12 @@ def _transitions(src_codes: tuple[int, ...], want: tuple[int, ...]) -> tuple[Tra
             if a in slices or a in partial_cuts:
                 dims.add(want[a])
             for b in range(a + 1, ndim):
-                if cur[b] in dims and b not in gather and b not in a2a:
-                    gather.add(b)
+                if b in gather:
+                    continue
+                if cur[b] in dims or (b in a2a and want[b] in dims):
+                    a2a.discard(b)  # an inner all-to-all into that dim: gather and cut instead
+                    if cur[b] >= 0:
+                        gather.add(b)
                     if want[b] >= 0:
                         slices.add(b)
                     changed = True
@@ -111,21 +115,18 @@ def _transitions(src_codes: tuple[int, ...], want: tuple[int, ...]) -> tuple[Tra
     for a in sorted(a2a):
         steps.append(Transition("all_to_all", a, cur[a], want[a]))
         cur[a] = want[a]
-    for a in range(ndim):
+    for a in range(ndim):  # outer axes first: a dim cut by several axes is cut outer first
         if _is_partial(cur[a]) and cur[a] != want[a]:
-            inner_cut = want[a] >= 0 and any(cur[b] == want[a] for b in range(a + 1, ndim))
-            if want[a] >= 0 and not inner_cut:
+            if want[a] >= 0:
                 steps.append(Transition("reduce_scatter", a, cur[a], want[a]))
                 slices.discard(a)
                 cur[a] = want[a]
             else:
                 steps.append(Transition("all_reduce", a, cur[a], REPLICATE_CODE))
                 cur[a] = REPLICATE_CODE
-                if want[a] >= 0:
-                    slices.add(a)
-    for a in sorted(slices):
-        steps.append(Transition("slice", a, cur[a], want[a]))
-        cur[a] = want[a]
+        elif a in slices:
+            steps.append(Transition("slice", a, cur[a], want[a]))
+            cur[a] = want[a]
     for a in range(ndim):
         if _is_partial(want[a]) and cur[a] != want[a]:
             steps.append(Transition("to_partial", a, cur[a], want[a]))

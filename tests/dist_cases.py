@@ -67,6 +67,10 @@ def build(name: str):
     if name == "mlp-customop":
         model = CustomOpMLP()
         return model, (torch.randn(16, 32), torch.randn(16, 8))
+    if name == "gpt-longseq":  # one long sequence: activations, not weights, fill the memory
+        from autopar.models.gpt import gpt
+
+        return gpt("gpt-tiny", batch_size=1, seq_len=1024, block_size=1024)
     return get_model(name, batch_size=8, seq_len=16)
 
 

@@ -1,0 +1,117 @@
+"""Multi-dimensional tensor parallel and sequence parallel plans, run for real (gloo, one
+launch per world size): 2D on a 2x2 grid, 2.5D and 3D on 2x2x2, Ulysses, ring attention and
+Megatron-SP on 4 ranks, for the tiny GPT and the tiny BERT. Each equals the single-process run
+(loss, gradients, parameters after 3 AdamW steps) and sends exactly the bytes its plan
+predicts. A sequence too long to fit without sequence parallelism is planned and run with it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from dist_cases import build, case_key  # noqa: E402
+from test_runtime import _free_port, _reference  # noqa: E402
+
+LONG_SEQ_BUDGET = 4.2e6  # bytes per device: fits with the sequence split, not without (see below)
+CASES_BY_WORLD = {
+    4: [(m, f, None) for m in ("gpt-tiny", "bert-tiny") for f in ("2d", "ulysses", "ring", "megatron-sp")]
+       + [("gpt-tiny", "ring", "sp=4"), ("gpt-longseq", "auto", None, {"memory_budget_bytes": LONG_SEQ_BUDGET})],
+    8: [(m, f, None) for m in ("gpt-tiny", "bert-tiny") for f in ("2.5d", "3d")]
+       + [("gpt-tiny", "2d", "row=2,col=4"), ("bert-tiny", "ulysses", "dp=2,sp=4")],
+}
+CASES = [(w, c) for w, cases in CASES_BY_WORLD.items() for c in cases]
+_LAUNCHES: dict = {}
+
+
+def _launch(world: int, tmp_path_factory) -> dict:
+    if world not in _LAUNCHES:
+        out = tmp_path_factory.mktemp(f"tp{world}") / "results.pt"
+        script = os.path.join(os.path.dirname(__file__), "dist_cases.py")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, script, str(world), str(_free_port()), str(out),
+                               json.dumps(CASES_BY_WORLD[world])], capture_output=True, text=True, timeout=1200, env=env)
+        assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+        _LAUNCHES[world] = torch.load(out, weights_only=False)
+    return _LAUNCHES[world]
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    return lambda world: _launch(world, tmp_path_factory)
+
+
+def _plan(case, world):
+    import autopar
+
+    name, family, mesh, *options = case
+    model, inputs = build(name)
+    return autopar.plan(model, world, inputs, hardware="a100-80gb", mixed_precision=False, strategy=family,
+                        mesh=mesh, baselines=False, **(options[0] if options else {}))
+
+
+# what each family's plan must turn out to be (autopar.tp_families.layout_kind)
+EXPECTED_KIND = {"2d": "2D", "2.5d": "2.5D", "3d": "3D", "ulysses": "SP", "ring": "SP", "megatron-sp": "1D+SP"}
+
+
+def _id(world_case) -> str:
+    world, case = world_case
+    return f"{world}ranks/" + case_key(case).replace("/None", "")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_case", CASES, ids=[_id(c) for c in CASES])
+def test_layout_runs_equal_single_process_and_bytes_match(launch, world_case, report_line):
+    from autopar.tp_families import layout_kind
+
+    world, case = world_case
+    name, family = case[0], case[1]
+    r = launch(world)[case_key(case)]
+    assert "error" not in r, r.get("error")
+    losses, grads, params = _reference(name)
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    for k, g in grads.items():
+        torch.testing.assert_close(r["grads"][k], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
+    for k, p in params.items():
+        if k in r["params"]:
+            torch.testing.assert_close(r["params"][k], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"param {k}: {m}")
+    for step, sent in enumerate(r["sent"]):
+        assert sent == pytest.approx(r["predicted"]), (step, sent, r["predicted"])
+    plan = _plan(case, world)
+    assert str(plan.mesh) == r["mesh"] and plan.comm_bytes == pytest.approx(r["predicted"])
+    kind = layout_kind(plan)
+    if family in EXPECTED_KIND:
+        assert kind.endswith(EXPECTED_KIND[family]) or kind == EXPECTED_KIND[family], (family, kind)
+    attention = [s for n, s in r["strategies"].items() if "scaled_dot_product_attention" in n]
+    if family == "ring":  # K/V go around the ring: point-to-point bytes, sequence-split keys
+        assert r["predicted"].get("p2p", 0) > 0 and attention
+    if family == "ulysses":  # attention over heads, reached by all-to-all from the sequence split
+        assert r["predicted"].get("all_to_all", 0) > 0 and "p2p" not in r["predicted"]
+    report_line(f"layouts {world} ranks {case_key(case).replace('/None', '')}: mesh {r['mesh']} ({kind}), "
+                f"bytes/step {sum(r['predicted'].values()):,.0f} (measured = predicted)")
+
+
+@pytest.mark.slow
+def test_a_sequence_that_fits_only_when_split_is_planned_and_run_with_it(launch):
+    import autopar
+    from autopar.errors import AutoparError
+    from autopar.report import format_report
+    from autopar.tp_families import layout_kind
+
+    case = CASES_BY_WORLD[4][-1]
+    r = launch(4)[case_key(case)]
+    assert "error" not in r, r.get("error")
+    plan = _plan(case, 4)
+    assert plan.peak_memory_bytes_per_device <= LONG_SEQ_BUDGET
+    assert "SP" in layout_kind(plan)
+    assert "sequence parallel" in format_report(plan)
+    # the same budget without sequence parallelism: tensor parallelism (activations whole
+    # between layers), data parallelism (a batch of one) and ZeRO cannot fit
+    model, inputs = build(case[0])
+    for family in ("megatron", "dp", "zero3", "megatron-dp"):
+        with pytest.raises(AutoparError):
+            autopar.plan(model, 4, inputs, hardware="a100-80gb", mixed_precision=False, strategy=family,
+                         memory_budget_bytes=LONG_SEQ_BUDGET, baselines=False, pipeline=False)
