@@ -47,6 +47,7 @@ TP_FAMILIES = ("2d", "2.5d", "3d")
 SP_FAMILIES = ("sp", "ulysses", "ring")
 _ATTENTION = {aten.scaled_dot_product_attention.default}
 RING_TARGETS = _ATTENTION
+_NORMS = {aten.layer_norm.default, aten.rms_norm.default}
 
 Pin = Callable[[fx.Node, Any], bool]
 
@@ -261,6 +262,9 @@ def layout_kind(plan) -> str:
                     stored[a] = stored.get(a, 0) + 1
         if node.op == "call_function" and node.target in _ATTENTION and is_ring_attention(node, st):
             sp = True
+        if node.op == "call_function" and node.target in _NORMS and node.args[0].meta["val"].dim() >= 3 \
+                and any(c == 1 for c in st.inputs[0].codes):
+            sp = True  # layer norms on sequence-split activations (Megatron-SP)
     graph = next(iter(problem.decisions.values())).node.graph
     for node in graph.nodes:
         if node.op != "call_function" or node.name not in problem.rep_of:

@@ -44,6 +44,7 @@ import torch.export  # noqa: F401
 
 import autopar.planner as planner_mod
 from autopar import trace
+from autopar.cost_model.hardware import get_hardware
 from autopar.errors import AutoparError
 from autopar.models.gpt import GPTConfig, gpt
 from autopar.planner import plan
@@ -55,6 +56,10 @@ QUICK_WIDTHS, QUICK_DEVICES = (1024,), (8, 64)
 LAYOUTS = ("1D", "2D", "2.5D", "3D", "auto")
 FAMILIES = {"1D": ("megatron", "megatron-dp"), "2D": ("2d",), "2.5D": ("2.5d",), "3D": ("3d",), "auto": ("auto",)}
 GIB = 2**30
+# The grids the papers ran on 64 GPUs, pinned (section 3a): (label, family, mesh).
+PAPER_MESHES = (("1D tp=64", "megatron", "tp=64"), ("1D dp=8,tp=8", "megatron-dp", "dp=8,tp=8"),
+                ("2D 8x8", "2d", "row=8,col=8"), ("2.5D 4x4x4", "2.5d", "dep=4,row=4,col=4"),
+                ("3D 4x4x4", "3d", "x=4,y=4,z=4"))
 
 # Reported speedups (FACTS.md, "Tensor-parallel communication per layer"): training throughput
 # ratios on 64 GPUs (3D: 64 V100), (numerator-beaten layout, layout, ratio, source).
@@ -87,8 +92,43 @@ class Entry:
     activation_bytes: float = math.nan
     sent_bytes: float = math.nan
     comm_bytes: dict = field(default_factory=dict)
+    split_weights: str = ""  # weight matrices (2+ dims) stored split on some axis / all of them
+    loss_comm_s: float = math.nan  # communication on the edges into the loss (logits resharded)
+    loss_sent_bytes: float = math.nan
     plan_s: float = 0.0
     others: list = field(default_factory=list)  # 1D: the other family's figures
+
+
+_LOSS_OPS = ("cross_entropy_loss", "nll_loss")
+
+
+def _loss_edge(p) -> tuple[float, float]:
+    """Communication seconds and bytes sent per device on the edges into the loss (the logits
+    moved to the layout the loss rule takes), as ``cost_model.evaluate`` prices edges. Reads
+    the plan's priced problem (``plan._problem``): (nan, nan) where that is unavailable."""
+    try:
+        from autopar.cost_model.comm import bytes_sent_per_rank
+        from autopar.cost_model.evaluate import shared_reshards
+        from autopar.cost_model.reshard import reshard_steps
+
+        problem, choice = p._problem, p._choice
+        shared = shared_reshards(problem, choice)
+        seconds = sent = 0.0
+        for idx, e in enumerate(problem.edges):
+            d = problem.decisions.get(e.consumer)
+            if d is None or d.node.op != "call_function" or not any(o in str(d.node.target) for o in _LOSS_OPS):
+                continue
+            copies = e.count - shared.get(idx, 0)
+            if not copies:
+                continue
+            a, b = e.producer_layouts[choice[e.producer]], e.consumer_layouts[choice[e.consumer]]
+            seconds += e.seconds[(a, b)] * copies / e.count
+            fwd, bwd = reshard_steps(a, b, e.total_bytes, problem.mesh, e.needs_grad)
+            sent += sum(bytes_sent_per_rank(s.collective, s.nbytes, problem.mesh.sizes[s.axis]) * copies
+                        for s in fwd + bwd)
+        return seconds, sent
+    except Exception:  # private structures changed: leave the column empty
+        return math.nan, math.nan
 
 
 def _alarm(_sig, _frame):
@@ -101,15 +141,15 @@ def _short(exc: BaseException, limit: int = 90) -> str:
 
 
 def _plan_one(gm, n: int, family: str, width: int, hardware: str, budget: float | None, time_limit_s: float,
-              cap_s: float) -> Entry:
-    layout = next(k for k, fams in FAMILIES.items() if family in fams)
+              cap_s: float, mesh: str | None = None, layout: str | None = None) -> Entry:
+    layout = layout or next(k for k, fams in FAMILIES.items() if family in fams)
     e = Entry(width, n, layout, family, "ok")
     t0 = time.perf_counter()
     old = signal.signal(signal.SIGALRM, _alarm) if cap_s else None
     if cap_s:
         signal.alarm(int(math.ceil(cap_s)))
     try:
-        p = plan(gm, n, hardware=hardware, strategy=family, baselines=False, pipeline=False,
+        p = plan(gm, n, hardware=hardware, strategy=family, mesh=mesh, baselines=False, pipeline=False,
                  memory_budget_bytes=budget, time_limit_s=time_limit_s, model_name=f"gpt-d{width}")
     except _WallCap:
         e.status, e.reason = "timeout", f"stopped after the {cap_s:.0f} s wall cap"
@@ -127,6 +167,10 @@ def _plan_one(gm, n: int, family: str, width: int, hardware: str, budget: float 
                                                                  p.activation_bytes)
         e.comm_bytes = {k: float(v) for k, v in p.comm_bytes.items()}
         e.sent_bytes = sum(e.comm_bytes.values())
+        e.loss_comm_s, e.loss_sent_bytes = _loss_edge(p)
+        weights = {nd.name for nd in gm.graph.nodes if nd.op == "get_attr" and getattr(nd.meta.get("val"), "ndim", 0) >= 2}
+        split = sum(1 for nd in p.nodes if nd.name in weights and "S" in nd.output_layout)
+        e.split_weights = f"{split}/{len(weights)}"
         try:
             e.kind = layout_kind(p)
         except Exception as exc:  # a naming helper must not lose the figures
@@ -140,6 +184,13 @@ def _plan_one(gm, n: int, family: str, width: int, hardware: str, budget: float 
             signal.signal(signal.SIGALRM, old)
     e.plan_s = time.perf_counter() - t0
     return e
+
+
+def _top_collective(e: Entry) -> str:
+    if not e.comm_bytes:
+        return "-"
+    k, v = max(e.comm_bytes.items(), key=lambda kv: kv[1])
+    return f"{k} {v / GIB:.2f}"
 
 
 def _cell_time(e: Entry) -> str:
@@ -171,7 +222,8 @@ def _best_1d(entries: list[Entry]) -> Entry:
         best = Entry(**{**best.__dict__})
         best.reason = "; ".join(f"{e.family}: {e.status}{' (' + e.reason + ')' if e.reason else ''}"
                                 for e in entries)
-    best.others = [{k: v for k, v in e.__dict__.items() if k != "others"} for e in entries if e is not best]
+    best.others = [{k: v for k, v in e.__dict__.items() if k != "others"} for e in entries
+                   if e.family != best.family]
     return best
 
 
@@ -191,6 +243,7 @@ def main() -> None:
     ap.add_argument("--cap", type=float, default=240.0, help="wall-clock cap per plan, s (0: none)")
     ap.add_argument("--skip", nargs="*", default=[], metavar="LAYOUT@N",
                     help="entries not to plan, e.g. 3D@512 auto@512 (reported as skipped)")
+    ap.add_argument("--no-paper-meshes", action="store_true", help="skip section 3a (the papers' 64-device grids)")
     ap.add_argument("--serial", action="store_true",
                     help="no forked helper process inside plan() (one busy process; slower plans)")
     args = ap.parse_args()
@@ -220,7 +273,15 @@ def main() -> None:
     print(flush=True)
 
     results: dict[tuple[int, int], dict[str, Entry]] = {}
+    paper_runs: dict[int, dict[str, Entry]] = {}  # width -> paper-shaped 64-device meshes
     all_entries: list[Entry] = []
+
+    def log(e: Entry) -> None:
+        all_entries.append(e)
+        what = f"{e.step_s * 1e3:9.2f} ms  {e.mesh}  {e.kind}" if e.status == "ok" else f"{e.status}: {e.reason}"
+        print(f"  d={e.width:5d} n={e.devices:4d} {e.family:12s} {e.plan_s:6.1f} s  {what}", file=sys.stderr,
+              flush=True)
+
     for d in widths:
         cfg = GPTConfig(n_layer=args.layers, n_head=d // 128, n_embd=d, vocab_size=50304,
                         block_size=max(args.seq, 1024))
@@ -240,42 +301,40 @@ def main() -> None:
                     else:
                         e = _plan_one(gm, n, family, d, args.hardware, budget, args.time_limit, args.cap)
                     entries.append(e)
-                    all_entries.append(e)
-                    what = (f"{e.step_s * 1e3:9.2f} ms  {e.mesh}  {e.kind}" if e.status == "ok"
-                            else f"{e.status}: {e.reason}")
-                    print(f"  d={d:5d} n={n:4d} {family:12s} {e.plan_s:6.1f} s  {what}", file=sys.stderr, flush=True)
+                    log(e)
                 row[layout] = _best_1d(entries) if layout == "1D" else entries[0]
             results[(d, n)] = row
+        if 64 in devices and not args.no_paper_meshes:
+            paper_runs[d] = {}
+            for label, family, mesh in PAPER_MESHES:
+                e = _plan_one(gm, 64, family, d, args.hardware, budget, args.time_limit, args.cap, mesh=mesh,
+                              layout=label)
+                log(e)
+                paper_runs[d][label] = e
 
     # --- table 1: every entry ----------------------------------------------------------------
-    print("1. Every layout: predicted step, compute and communication time, peak memory and bytes sent per device")
+    print("1. Every layout, each family on its fastest mesh: predicted step, compute and communication time, "
+          "peak memory and bytes sent per device")
     rows = []
     for (d, n), row in results.items():
-        one_d = row["1D"]
         for layout in LAYOUTS:
             e = row[layout]
-            ok = e.status == "ok"
-            fam = e.family if layout in ("1D",) else ""
-            rows.append([str(d), str(n), layout + (f" ({fam})" if fam else ""), e.mesh or "-",
-                         e.kind if ok else "", _cell_time(e),
-                         f"{e.compute_s * 1e3:.1f}" if ok else "", f"{e.comm_s * 1e3:.1f}" if ok else "",
-                         f"{e.peak_bytes / GIB:.1f}" if ok else "", f"{e.sent_bytes / GIB:.2f}" if ok else "",
-                         _fmt_ratio(_ratio(one_d, e)) if layout != "1D" else ("1.00x" if ok else "-"),
-                         f"{e.plan_s:.1f}" if e.status != "skipped" else "-",
-                         "" if ok else e.reason])
-    for line in _table(["d", "devices", "layout", "mesh", "kind", "step ms", "compute ms", "comm ms", "peak GiB",
-                        "sent GiB", "vs 1D", "plan s", "note"], rows, {0, 1, 5, 6, 7, 8, 9, 10, 11}):
+            fam = f" ({e.family})" if layout == "1D" else ""
+            rows.append(_entry_cells(e, layout + fam, row["1D"]))
+    for line in _table(["d", "devices", "layout", "mesh", "kind", "split W", "step ms", "compute ms", "comm ms",
+                        "->loss ms", "peak GiB", "sent GiB", "largest collective", "vs 1D", "plan s", "note"], rows,
+                       {0, 1, 5, 6, 7, 8, 9, 10, 11, 13, 14}):
         print(line)
-    alt = [(k, r["1D"]) for k, r in results.items() if r["1D"].others]
     notes = []
-    for (d, n), e in alt:
-        for o in e.others:
-            if o["status"] == "ok":
-                notes.append(f"d={d}/{n}: {o['family']} {o['step_s'] * 1e3:.1f} ms on {o['mesh']}")
-            else:
-                notes.append(f"d={d}/{n}: {o['family']} {o['status']}")
+    for (d, n), r in results.items():
+        for o in r["1D"].others:
+            notes.append(f"d={d}/{n}: {o['family']} " + (f"{o['step_s'] * 1e3:.1f} ms on {o['mesh']}"
+                                                        if o["status"] == "ok" else o["status"]))
     if notes:
         print("the other 1D family: " + "; ".join(notes))
+    print("kind: autopar.tp_families.layout_kind(plan); split W: weight matrices stored split on some mesh axis, of "
+          "all of them; ->loss ms: the part of comm ms spent moving the logits into the loss (cross_entropy's rule "
+          "keeps the vocab dim whole)")
     print()
 
     # --- table 2: ratios and winners ---------------------------------------------------------
@@ -297,32 +356,40 @@ def main() -> None:
         print(line)
     print()
 
-    # --- 3: the papers vs our predictions at 64 devices ---------------------------------------
-    at64 = {d: results[(d, 64)] for d in widths if (d, 64) in results}
+    # --- 3: the papers' grids at 64 devices, and the papers vs our predictions ----------------
     explanation: list[str] = []
+    at64 = {d: results[(d, 64)] for d in widths if (d, 64) in results}
+    if paper_runs:
+        print("3a. The papers' grids on 64 devices (mesh pinned): 1D over all 64 devices as the papers' Megatron "
+              "baseline, 1D in a node x DP, 2D 8x8, 2.5D 4x4x4, 3D 4x4x4")
+        rows = []
+        for d, pr in paper_runs.items():
+            for label, e in pr.items():
+                rows.append(_entry_cells(e, label, pr["1D tp=64"]))
+        for line in _table(["d", "devices", "layout", "mesh", "kind", "split W", "step ms", "compute ms",
+                            "comm ms", "->loss ms", "peak GiB", "sent GiB", "largest collective", "vs tp=64", "plan s",
+                            "note"], rows, {0, 1, 5, 6, 7, 8, 9, 10, 11, 13, 14}):
+            print(line)
+        print()
     if at64:
-        print("3. Reported speedups (FACTS.md; measured training throughput, V100-era clusters) vs autopar's "
-              "predicted ratios at 64 devices")
-        headers = ["comparison", "paper", "source"] + [f"d={d}" for d in at64] + [f"d={d} vs megatron" for d in at64]
+        print("3b. Reported speedups (FACTS.md: measured training throughput on V100-era clusters) vs autopar's "
+              "predicted ratios on 64 devices")
         rows = []
         for base, lay, paper, src in PAPERS:
-            cells = [f"{lay} vs {base}", f"{paper:.2f}x", src]
-            cells += [_fmt_ratio(_ratio(r[base], r[lay])) for r in at64.values()]
-            pure = []
-            for d, r in at64.items():  # against 1D over all 64 devices, as the papers' baselines were
-                if base != "1D":
-                    pure.append("")
-                    continue
-                meg = [x for x in [r["1D"]] + [Entry(**{k: v for k, v in o.items()}) for o in r["1D"].others]
-                       if x.family == "megatron"]
-                pure.append(_fmt_ratio(_ratio(meg[0], r[lay])) if meg else "-")
-            rows.append(cells + pure)
-        for line in _table(headers, rows, set(range(3, len(headers)))):
+            for d, r in at64.items():
+                pr = paper_runs.get(d, {})
+                sq_base = [pr.get("1D tp=64"), pr.get("1D dp=8,tp=8")] if base == "1D" else [pr.get("2D 8x8")] * 2
+                sq_lay = pr.get({"2D": "2D 8x8", "2.5D": "2.5D 4x4x4", "3D": "3D 4x4x4"}[lay])
+                rows.append([f"{lay} vs {base}", f"{paper:.2f}x", str(d), _fmt_ratio(_ratio(r[base], r[lay])),
+                             _fmt_ratio(_ratio(sq_base[0], sq_lay)), _fmt_ratio(_ratio(sq_base[1], sq_lay)), src])
+        for line in _table(["comparison", "paper", "d", "best meshes (tables 1-2)", "papers' grids, 1D = tp=64",
+                            "papers' grids, 1D = dp=8,tp=8", "source"], rows, {1, 2, 3, 4, 5}):
             print(line)
-        print("(vs 1D: best of megatron / megatron-dp; 'vs megatron': against 1D TP over all 64 devices)")
+        print("(best meshes: each family on its fastest mesh, 1D the faster of megatron and megatron-dp; papers' "
+              "grids: table 3a; '-': one side does not fit or has no mesh)")
         print()
-        explanation = _explain(at64)
-        print("4. What the figures say (generated from the predictions above)")
+        explanation = _explain(at64, paper_runs, get_hardware(args.hardware).devices_per_node)
+        print("4. What the figures say (sentences generated from the predictions above, 64 devices)")
         for s in explanation:
             print(f"- {s}")
         print()
@@ -330,7 +397,7 @@ def main() -> None:
     slow = sorted((e for e in all_entries if e.status != "skipped"), key=lambda e: -e.plan_s)[:5]
     total = time.perf_counter() - t_start
     failed = [e for e in all_entries if e.status in ("error", "timeout")]
-    print(f"slowest plans: " + ", ".join(f"{e.family}@{e.devices} d={e.width} {e.plan_s:.0f} s" for e in slow))
+    print("slowest plans: " + ", ".join(f"{e.family}@{e.devices} d={e.width} {e.plan_s:.1f} s" for e in slow))
     if failed:
         print("errors / timeouts: " + "; ".join(f"{e.family}@{e.devices} d={e.width}: {e.reason}" for e in failed))
     skipped = [e for e in all_entries if e.status == "skipped"]
@@ -338,14 +405,16 @@ def main() -> None:
         print("skipped (--skip): " + ", ".join(f"{e.family}@{e.devices} d={e.width}" for e in skipped))
     print(f"total wall time {total:.0f} s ({len(all_entries)} plans)" + (f"; figures in {args.json}" if args.json else ""))
     if args.json:
+        clean = lambda e: {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                           for k, v in e.__dict__.items() if k != "others"}
         out = dict(hardware=args.hardware, layers=args.layers, seq=args.seq, batch=args.batch,
                    memory_budget_bytes=budget, time_limit_s=args.time_limit, wall_cap_s=args.cap, serial=args.serial,
                    widths=list(widths), devices=list(devices), total_wall_s=total,
-                   entries=[{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                             for k, v in e.__dict__.items() if k != "others"} for e in all_entries],
+                   entries=[clean(e) for e in all_entries],
                    table={f"d={d},n={n}": {k: e.family for k, e in row.items()} for (d, n), row in results.items()},
+                   paper_meshes={str(d): {k: clean(e) for k, e in pr.items()} for d, pr in paper_runs.items()},
                    papers=[dict(comparison=f"{lay} vs {base}", reported=paper, source=src,
-                                predicted_64={str(d): _ratio(r[base], r[lay]) for d, r in at64.items()})
+                                predicted_64_best_meshes={str(d): _ratio(r[base], r[lay]) for d, r in at64.items()})
                            for base, lay, paper, src in PAPERS],
                    explanation=explanation)
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -353,51 +422,71 @@ def main() -> None:
             json.dump(out, f, indent=1)
 
 
-def _explain(at64: dict[int, dict[str, Entry]]) -> list[str]:
+def _entry_cells(e: Entry, label: str, base: Entry) -> list[str]:
+    ok = e.status == "ok"
+    ms = lambda s: f"{s * 1e3:.1f}" if ok and math.isfinite(s) else ""
+    return [str(e.width), str(e.devices), label, e.mesh or "-", e.kind if ok else "", e.split_weights, _cell_time(e),
+            ms(e.compute_s), ms(e.comm_s), ms(e.loss_comm_s),
+            f"{e.peak_bytes / GIB:.1f}" if ok else "", f"{e.sent_bytes / GIB:.2f}" if ok else "",
+            _top_collective(e) if ok else "",
+            ("1.00x" if ok else "-") if e is base else _fmt_ratio(_ratio(base, e)),
+            f"{e.plan_s:.1f}" if e.status != "skipped" else "-", "" if ok else e.reason]
+
+
+def _comm_words(e: Entry) -> str:
+    share = e.comm_s / e.step_s if e.step_s > 0 else math.nan
+    loss = (f", {e.loss_comm_s / e.comm_s:.0%} of it moving logits into the loss"
+            if math.isfinite(e.loss_comm_s) and e.comm_s > 0 and e.loss_comm_s >= 0.05 * e.comm_s else "")
+    return (f"{e.compute_s * 1e3:.0f} ms compute + {e.comm_s * 1e3:.0f} ms communication ({share:.0%}{loss}), "
+            f"{e.sent_bytes / GIB:.1f} GiB sent, {e.peak_bytes / GIB:.1f} GiB peak")
+
+
+def _explain(at64: dict[int, dict[str, Entry]], paper_runs: dict[int, dict[str, Entry]], per_node: int) -> list[str]:
     """Sentences from the 64-device figures: which term dominates, what the bytes do, memory."""
     out = []
     for d, row in at64.items():
         ok = {k: e for k, e in row.items() if e.status == "ok"}
-        if not ok:
-            out.append(f"d={d}: no layout fits or applies on 64 devices.")
-            continue
-        parts = []
-        for k, e in ok.items():
-            share = e.comm_s / (e.compute_s + e.comm_s) if e.compute_s + e.comm_s > 0 else math.nan
-            parts.append(f"{k} {e.compute_s * 1e3:.0f}+{e.comm_s * 1e3:.0f} ms ({share:.0%} comm, "
-                         f"{e.sent_bytes / GIB:.1f} GiB sent, {e.peak_bytes / GIB:.0f} GiB peak)")
-        out.append(f"d={d}, 64 devices, compute+communication: " + "; ".join(parts) + ".")
         one = ok.get("1D")
-        if one is not None:
-            comm_dom = one.comm_s > one.compute_s
-            out.append(f"d={d}: 1D ({one.family}, {one.mesh}) is {'communication' if comm_dom else 'compute'}-bound "
-                       f"in the model ({one.comm_s / max(one.compute_s, 1e-12):.2f}x as much communication as compute "
-                       "time).")
+        if one is None:
+            out.append(f"d={d}: 1D has no figure on 64 devices ({row['1D'].status}: {row['1D'].reason}).")
+        else:
+            out.append(f"d={d}, best meshes: 1D ({one.family}, {one.mesh}) {_comm_words(one)}.")
             for k in ("2D", "2.5D", "3D"):
                 e = ok.get(k)
                 if e is None:
-                    why = row[k].status + (f" ({row[k].reason})" if row[k].reason else "")
-                    out.append(f"d={d}: {k} has no figure here: {why}.")
+                    out.append(f"d={d}: {k} has no figure: {row[k].status}"
+                               + (f" ({row[k].reason})." if row[k].reason else "."))
                     continue
                 dc, dm = e.compute_s - one.compute_s, e.comm_s - one.comm_s
-                byte_ratio = e.sent_bytes / one.sent_bytes if one.sent_bytes else math.inf
                 main = "communication" if abs(dm) >= abs(dc) else "compute"
-                verdict = "faster" if e.step_s < one.step_s else "slower"
-                out.append(f"d={d}: {k} is {verdict} than 1D ({one.step_s / e.step_s:.2f}x), mostly through "
-                           f"{main} ({dc * 1e3:+.0f} ms compute, {dm * 1e3:+.0f} ms communication); it sends "
-                           f"{byte_ratio:.2f}x 1D's bytes and needs {e.peak_bytes / one.peak_bytes:.2f}x its peak "
-                           "memory.")
-        else:
-            out.append(f"d={d}: 1D has no figure on 64 devices ({row['1D'].status}: {row['1D'].reason}).")
-        a = ok.get("auto")
-        if a is not None:
-            best_fixed = min((e for k, e in ok.items() if k != "auto"), key=lambda e: e.step_s, default=None)
-            if best_fixed is not None:
-                rel = best_fixed.step_s / a.step_s
-                out.append(f"d={d}: auto picks {a.kind or '?'} on {a.mesh} ({a.step_s * 1e3:.1f} ms), "
-                           f"{rel:.2f}x the best pinned layout ({best_fixed.layout}, {best_fixed.step_s * 1e3:.1f} ms)"
-                           + ("; the pinned layout is faster: it lies outside auto's search space (on 3-axis meshes "
-                              "auto keeps the outer axis a data axis)" if rel < 1 - 1e-6 else "") + ".")
+                out.append(f"d={d}: {k} on {e.mesh} is {one.step_s / e.step_s:.2f}x 1D's speed, the difference "
+                           f"mostly {main} ({dc * 1e3:+.0f} ms compute, {dm * 1e3:+.0f} ms communication): "
+                           f"{_comm_words(e)}; {e.sent_bytes / one.sent_bytes:.2f}x 1D's bytes, "
+                           f"{e.peak_bytes / one.peak_bytes:.2f}x its peak memory.")
+        a, fixed = ok.get("auto"), [e for k, e in ok.items() if k != "auto"]
+        if a is not None and fixed:
+            b = min(fixed, key=lambda e: e.step_s)
+            rel = b.step_s / a.step_s
+            out.append(f"d={d}: auto chooses {a.kind or '?'} on {a.mesh} ({a.split_weights} weight matrices stored "
+                       f"split; {a.step_s * 1e3:.1f} ms), {rel:.2f}x the "
+                       f"fastest pinned layout ({b.layout}, {b.step_s * 1e3:.1f} ms)"
+                       + ("; that pinned layout is outside auto's search space (auto keeps the outer axis of a "
+                          "3-axis mesh a data axis)" if rel < 1 - 1e-6 else "") + ".")
+        pr = paper_runs.get(d, {})
+        tp64, node = pr.get("1D tp=64"), pr.get("1D dp=8,tp=8")
+        grids = [e for k, e in pr.items() if not k.startswith("1D") and e.status == "ok"]
+        if tp64 is not None and tp64.status == "ok" and grids:
+            out.append(f"d={d}, papers' grids: 1D over all 64 devices spends {tp64.comm_s / tp64.step_s:.0%} of its "
+                       f"step communicating ({tp64.sent_bytes / GIB:.1f} GiB sent"
+                       + (f", its rings spanning {64 // per_node} nodes of {per_node}" if per_node < 64 else "") + "), "
+                       "so the grids beat it by " + ", ".join(f"{e.layout} {tp64.step_s / e.step_s:.2f}x"
+                                                                for e in grids)
+                       + (f"; against 1D inside a node x DP ({node.step_s * 1e3:.1f} ms) the same grids are at "
+                          + ", ".join(f"{node.step_s / e.step_s:.2f}x" for e in grids)
+                          if node is not None and node.status == "ok" else "") + ".")
+        elif tp64 is not None and tp64.status != "ok":
+            out.append(f"d={d}, papers' grids: 1D over all 64 devices {tp64.status} ({tp64.reason}): it keeps "
+                       "every activation whole on every device, so the papers' baseline has no figure at this batch.")
     return out
 
 
