@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", default="a100-80gb", help="profile name or JSON path (default a100-80gb)")
     p.add_argument("--mesh", default=None, help="pin the mesh, e.g. dp=2,tp=4")
     p.add_argument("--strategy", default="auto",
-                   help="auto (default), dp, zero2, zero3, megatron, megatron-sp, megatron-dp, pp (pipeline stages; "
+                   help="auto (default), dp, zero2, zero3, megatron, megatron-sp, megatron-dp, 2d, 2.5d, 3d, sp, ulysses, ring, pp (pipeline stages; "
                         "or pin them with --mesh pp=4,dp=2,tp=8)")
     p.add_argument("--memory-budget", default=None, help="per-device budget, e.g. 40GB (default: device memory)")
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
