@@ -87,6 +87,7 @@ def _split_costs(plan: Plan) -> _Part:
     for idx, e in enumerate(problem.edges):
         a, b = e.producer_layouts[choice[e.producer]], e.consumer_layouts[choice[e.consumer]]
         seconds = e.seconds[(a, b)] * (e.count - shared.get(idx, 0)) / e.count
+        acts += e.memory.get((a, b), 0.0) * (e.count - shared.get(idx, 0)) / e.count
         if problem.decisions[e.producer].is_param:
             use += seconds
         else:

@@ -120,9 +120,11 @@ def grid_pin(batch_axes: Sequence[int], zero3_axes: Sequence[int], tp_axes: Sequ
         if node not in weight_positions:
             weight_positions[node] = [k for k, p in enumerate(tensor_leaves(node.args, node.kwargs, _is_tensor_node))
                                       if p.op == "get_attr" and p.meta["val"].dim() >= 2]
+        summa = summa_axes(node, strategy)
         for layout in (strategy.inputs[k] for k in weight_positions[node]):
             pl = layout.placements
-            if not all(isinstance(pl[a], Replicate) for a in batch_axes):
+            # (SUMMA takes W as stored, split on the row axis too: its panel loop moves it)
+            if not all(isinstance(pl[a], Replicate) or (summa and a == summa[0]) for a in batch_axes):
                 return False
             if not all(isinstance(pl[a], Shard) for a in tp_axes):
                 return False
@@ -244,7 +246,7 @@ def layout_kind(plan) -> str:
         return "unknown"
     used: dict[int, int] = {}
     stored: dict[int, int] = {}
-    n_weights = 0
+    n_weights = n_uses = 0
     batch_axes: set[int] = set()
     sp = False
     for key, d in problem.decisions.items():
@@ -273,13 +275,15 @@ def layout_kind(plan) -> str:
         leaves = tensor_leaves(node.args, node.kwargs, _is_tensor_node)
         for p, layout in zip(leaves, st.inputs):
             if p.op == "get_attr" and p.meta["val"].dim() >= 2:
+                n_uses += 1
                 for a, c in enumerate(layout.codes):
                     if c >= 0:
                         used[a] = used.get(a, 0) + 1
     if not n_weights:
         return "replicated"
-    half = lambda counts: {a for a, k in counts.items() if k * 2 >= max(counts.values(), default=0) and k}
-    used_axes, stored_axes = half(used), half(stored)
+    # an axis counts where at least half of the weight matrices (half of their uses) are split on it
+    used_axes = {a for a, k in used.items() if k * 2 >= n_uses}
+    stored_axes = {a for a, k in stored.items() if k * 2 >= n_weights}
     if not used_axes:
         kind = "DP" if batch_axes else ("" if sp else "replicated")
     elif len(used_axes) >= 2:
@@ -340,3 +344,66 @@ def describe_parallelism(plan) -> list[str]:
                      + (f"; {'; '.join(how)}" if how else "; layer norms and residuals sequence-split around "
                                                         "tensor-parallel regions (Megatron-SP)"))
     return lines
+
+
+# --- SUMMA: the 2D matmul as its own strategy ------------------------------------------------------
+
+def _with_code(layout, axis: int, placement):
+    from autopar.strategy import Layout
+
+    pl = list(layout.placements)
+    pl[axis] = placement
+    return Layout.interned(tuple(pl))
+
+
+def summa_strategies(node: fx.Node, strategies, mesh: MeshSpec) -> list:
+    """SUMMA variants of a linear layer's strategies on 2+ axis meshes (``runtime.summa``).
+
+    For a plain strategy that runs ``x @ W.T`` with x's rows split on axis ``r`` and whole on
+    axis ``c``, W whole on ``r`` and its output features split on ``c`` (the 2D layout, whose
+    inputs arrive by whole-panel all-gathers), the variant takes x with its input features
+    split on ``c`` and W with its input features split on ``r``, as they are stored, and moves
+    one K panel at a time by broadcasts (forward) and broadcasts + reduces (backward). Its
+    sends are priced by ``cost_model.algorithms.summa_steps``; it keeps no gathered panel."""
+    from autopar.strategy import Strategy
+
+    if node.target is not aten.linear.default or mesh.ndim < 2:
+        return []
+    x, w = node.args[0].meta["val"], node.args[1].meta["val"]
+    if w.dim() != 2 or x.dim() < 2:
+        return []
+    kdim = x.dim() - 1
+    out: dict = {}
+    for s in strategies:
+        xl, wl, y = s.inputs[0], s.inputs[1], s.outputs[0]
+        for r in range(mesh.ndim):
+            for c in range(mesh.ndim):
+                if r == c or mesh.sizes[r] < 2 or mesh.sizes[c] < 2:
+                    continue
+                if not (0 <= xl.codes[r] < kdim and xl.codes[c] < 0 and not xl.has_partial
+                        and wl.codes[r] < 0 and wl.codes[c] == 0 and y.codes[r] == xl.codes[r]
+                        and y.codes[c] == kdim):
+                    continue
+                others = [a for a in range(mesh.ndim) if a not in (r, c)]
+                if any(xl.codes[a] == kdim or wl.codes[a] >= 0 or wl.codes[a] < -1 for a in others):
+                    continue
+                new_x = _with_code(xl, c, Shard(kdim))
+                new_w = _with_code(wl, r, Shard(1))
+                if not (new_x.divides(mesh, x.shape) and new_w.divides(mesh, w.shape)):
+                    continue
+                st = Strategy((new_x, new_w) + tuple(s.inputs[2:]), s.outputs)
+                out[st] = None
+    return list(out)
+
+
+def summa_axes(node: fx.Node, strategy) -> tuple[int, int] | None:
+    """(row axis, col axis) when ``strategy`` of this linear layer is a SUMMA variant, else None."""
+    if node.target is not aten.linear.default or len(strategy.inputs) < 2:
+        return None
+    kdim = node.args[0].meta["val"].dim() - 1
+    xl, wl = strategy.inputs[0], strategy.inputs[1]
+    cols = [a for a in range(len(xl.codes)) if xl.codes[a] == kdim and wl.codes[a] == 0]
+    rows = [a for a in range(len(xl.codes)) if wl.codes[a] == 1 and 0 <= xl.codes[a] < kdim]
+    if len(cols) == 1 and len(rows) == 1:
+        return rows[0], cols[0]
+    return None

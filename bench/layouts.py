@@ -25,7 +25,15 @@ capacity unless ``--memory-budget-gib``); ``-``: the family has no mesh on that 
 than 1D).
 
 The GPTs have few layers (``--layers``, default 4): repeated blocks are priced once and
-multiplied, so depth hardly changes plan time, and per-layer ratios are what the papers report.
+multiplied, so depth hardly changes plan time. With 4 layers the LM head (vocab 50304) is a
+large share of the work (printed per width: 43% of the forward matmul FLOPs at d=1024), and the
+logits (tokens x vocab) are the largest activation; ``->loss ms`` shows what moving them into
+the loss costs. Section 3a pins the papers' 64-GPU grids (1D over all 64, 2D 8x8, 2.5D 4x4x4,
+3D 4x4x4, and 1D 8-way in a node x 8-way DP) next to the families' fastest meshes.
+
+Time here (2 shared cores, ``--serial``): ~1 min for the full run (69 plans, the slowest
+``auto`` on 512 devices at 10-20 s under load), ~10 s for ``--quick``. Without ``--serial``,
+``autopar.plan`` forks its usual helper process and uses both cores.
 """
 
 from __future__ import annotations
@@ -168,7 +176,8 @@ def _plan_one(gm, n: int, family: str, width: int, hardware: str, budget: float 
         e.comm_bytes = {k: float(v) for k, v in p.comm_bytes.items()}
         e.sent_bytes = sum(e.comm_bytes.values())
         e.loss_comm_s, e.loss_sent_bytes = _loss_edge(p)
-        weights = {nd.name for nd in gm.graph.nodes if nd.op == "get_attr" and getattr(nd.meta.get("val"), "ndim", 0) >= 2}
+        weights = {nd.name for nd in gm.graph.nodes
+                   if nd.op == "get_attr" and getattr(nd.meta.get("val"), "ndim", 0) >= 2}
         split = sum(1 for nd in p.nodes if nd.name in weights and "S" in nd.output_layout)
         e.split_weights = f"{split}/{len(weights)}"
         try:
@@ -257,9 +266,11 @@ def main() -> None:
         print(f"warning: batch {args.batch} does not divide {bad} devices; some meshes will be skipped",
               file=sys.stderr)
     t_start = time.perf_counter()
+    hw = get_hardware(args.hardware)
+    precision = ("bf16 mixed precision" if hw.peak_flops > 1.5 * hw.peak_flops_fp32 else "fp32")  # plan()'s default
 
     print("Tensor-parallel layouts, PREDICTED by autopar's cost model (not measured): hardware profile "
-          f"'{args.hardware}', bf16 mixed precision, AdamW.")
+          f"'{args.hardware}', {precision}, AdamW.")
     print(f"GPT, {args.layers} layers, head dim 128 (n_head = d/128), vocab 50304, seq {args.seq}, "
           f"global batch {args.batch} sequences ({args.batch * args.seq:,} tokens) on every device count (strong "
           "scaling).")
@@ -289,8 +300,11 @@ def main() -> None:
         model, inputs = gpt(cfg, batch_size=args.batch, seq_len=args.seq, device="meta")
         gm = trace(model, inputs, stack_traces=False)  # once per width: plan() re-annotates it per mesh
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"[d={d}: {n_params / 1e9:.2f} B parameters, traced in {time.perf_counter() - t0:.1f} s]",
-              file=sys.stderr, flush=True)
+        print(f"[d={d}: traced in {time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
+        layer_flops = args.layers * (24 * d * d + 4 * args.seq * d)  # per token, forward: matmuls + attention
+        head_flops = 2 * 50304 * d
+        print(f"d={d}: {d // 128} heads, {n_params / 1e9:.2f} B parameters; the LM head is "
+              f"{head_flops / (head_flops + layer_flops):.0%} of the forward matmul FLOPs")
         for n in devices:
             row: dict[str, Entry] = {}
             for layout in LAYOUTS:
@@ -313,6 +327,7 @@ def main() -> None:
                 paper_runs[d][label] = e
 
     # --- table 1: every entry ----------------------------------------------------------------
+    print()
     print("1. Every layout, each family on its fastest mesh: predicted step, compute and communication time, "
           "peak memory and bytes sent per device")
     rows = []
@@ -388,7 +403,7 @@ def main() -> None:
         print("(best meshes: each family on its fastest mesh, 1D the faster of megatron and megatron-dp; papers' "
               "grids: table 3a; '-': one side does not fit or has no mesh)")
         print()
-        explanation = _explain(at64, paper_runs, get_hardware(args.hardware).devices_per_node)
+        explanation = _explain(at64, paper_runs, hw.devices_per_node)
         print("4. What the figures say (sentences generated from the predictions above, 64 devices)")
         for s in explanation:
             print(f"- {s}")
@@ -403,7 +418,8 @@ def main() -> None:
     skipped = [e for e in all_entries if e.status == "skipped"]
     if skipped:
         print("skipped (--skip): " + ", ".join(f"{e.family}@{e.devices} d={e.width}" for e in skipped))
-    print(f"total wall time {total:.0f} s ({len(all_entries)} plans)" + (f"; figures in {args.json}" if args.json else ""))
+    print(f"total wall time {total:.0f} s ({len(all_entries)} plans)"
+          + (f"; figures in {args.json}" if args.json else ""))
     if args.json:
         clean = lambda e: {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                            for k, v in e.__dict__.items() if k != "others"}

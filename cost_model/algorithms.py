@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from .reshard import CommStep
 
-__all__ = ["ring_attention_steps"]
+import math
+
+__all__ = ["ring_attention_steps", "summa_steps"]
 
 
 def ring_attention_steps(k_local_bytes: float, v_local_bytes: float, n: int, axis: int,
@@ -27,3 +29,24 @@ def ring_attention_steps(k_local_bytes: float, v_local_bytes: float, n: int, axi
         grad = CommStep("p2p", axis, (k_local_bytes + v_local_bytes) * max(elem_bytes, 4.0) / elem_bytes)
         steps += [kv] * (n - 1) + [grad] * n
     return steps
+
+
+def summa_steps(rows_local: int, k: int, n_local: int, q_r: int, q_c: int, row_axis: int, col_axis: int,
+                elem_bytes: float, need_x_grad: bool, need_w_grad: bool, backward: bool) -> list[CommStep]:
+    """SUMMA (``runtime.summa``) for ``x @ W.T`` with x's ``rows_local x k/q_c`` block and W's
+    ``n_local x k/q_r`` block: ``lcm(q_r, q_c)`` panels of ``p = k / lcm`` columns of K. Per
+    panel the forward broadcasts an x panel (``rows_local x p``) over the col axis and a W panel
+    (``p x n_local``) over the row axis; the backward broadcasts the W panel again and reduces
+    the x-gradient panel over the col axis (for x's gradient), and broadcasts the x panel again
+    and reduces the W-gradient panel over the row axis (for W's). A size-1 axis moves nothing."""
+    n_panels = math.lcm(q_r, q_c)
+    p = k / n_panels
+    a_panel, b_panel = rows_local * p * elem_bytes, p * n_local * elem_bytes
+    a_b = [CommStep("broadcast", col_axis, a_panel)] if q_c > 1 else []
+    b_b = [CommStep("broadcast", row_axis, b_panel)] if q_r > 1 else []
+    per_panel = a_b + b_b
+    if backward and need_x_grad:
+        per_panel += b_b + ([CommStep("reduce", col_axis, a_panel)] if q_c > 1 else [])
+    if backward and need_w_grad:
+        per_panel += a_b + ([CommStep("reduce", row_axis, b_panel)] if q_r > 1 else [])
+    return per_panel * n_panels

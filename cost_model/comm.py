@@ -7,7 +7,7 @@ and NCCL src/graph/tuning.cc (latency per step), summarised in FACTS.md:
 
     all-reduce                              2(n-1)/n * S/B + 2(n-1) a
     all-gather, reduce-scatter, all-to-all   (n-1)/n * S/B +  (n-1) a
-    broadcast (pipelined ring)                        S/B +  (n-1) a
+    broadcast, reduce (pipelined ring)                S/B +  (n-1) a
     point-to-point                                    S/B +        a
 
 Sizes are bytes per rank; which size ``S`` is (input or output) is spelled out in each
@@ -33,7 +33,7 @@ __all__ = [
     "bytes_sent_per_rank",
 ]
 
-Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p"]
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "p2p"]
 COLLECTIVES: tuple[str, ...] = get_args(Collective)
 
 
@@ -124,7 +124,7 @@ def collective_s(collective: Collective, nbytes: float, n: int, link: Link) -> f
         return reduce_scatter_s(nbytes, n, link)
     if collective == "all_to_all":
         return all_to_all_s(nbytes, n, link)
-    if collective == "broadcast":
+    if collective in ("broadcast", "reduce"):  # a pipelined ring reduce is the broadcast run backwards
         return broadcast_s(nbytes, n, link)
     if collective == "p2p":
         _check(nbytes, n)
@@ -138,7 +138,7 @@ def bytes_sent_per_rank(collective: Collective, nbytes: float, n: int) -> float:
     ``nbytes`` means what it means for the matching ``*_s`` function: all_reduce
     ``2(n-1)/n S``; all_gather ``(n-1)/n S_out``; reduce_scatter ``(n-1)/n S_in``;
     all_to_all ``(n-1)/n S``; broadcast ``S`` (each rank but the last forwards the whole
-    payload in a pipelined ring); p2p ``S`` (the sender). Zero when ``n == 1``.
+    payload in a pipelined ring); reduce ``S`` (the same stream backwards); p2p ``S`` (the sender). Zero when ``n == 1``.
     Source: nccl-tests PERFORMANCE.md bus-bandwidth factors (FACTS.md).
     """
     _check(nbytes, n)
@@ -148,6 +148,6 @@ def bytes_sent_per_rank(collective: Collective, nbytes: float, n: int) -> float:
         return 2 * (n - 1) / n * nbytes
     if collective in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n * nbytes
-    if collective in ("broadcast", "p2p"):
+    if collective in ("broadcast", "reduce", "p2p"):
         return float(nbytes)
     raise ValueError(f"unknown collective {collective!r}; pick one of {', '.join(COLLECTIVES)}")

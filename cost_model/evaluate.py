@@ -90,6 +90,7 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
         a = e.producer_layouts[choice[e.producer]]
         b = e.consumer_layouts[choice[e.consumer]]
         comm_s += e.seconds[(a, b)] * copies / e.count
+        acts_b += e.memory.get((a, b), 0.0) * copies / e.count  # gathered panels kept for backward
         fwd, bwd = reshard_steps(a, b, e.total_bytes, mesh, e.needs_grad)
         for step in fwd + bwd:
             sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * copies

@@ -112,14 +112,18 @@ def _add_decisions(m: _Model, problem: Problem) -> dict[str, list[int]]:
     return x
 
 
-def _add_edges(m: _Model, problem: Problem, x) -> None:
+def _add_edges(m: _Model, problem: Problem, x) -> list[tuple[int, float]]:
+    """The edge variables and rows; returns (column, bytes) of pairings that hold memory."""
+    memory = []
     for edge in problem.edges:
-        if not any(edge.seconds.values()):
+        if not any(edge.seconds.values()) and not any(edge.memory.values()):
             continue  # every pairing is free: no variables needed
         out_rows: dict = {}
         in_rows: dict = {}
         for (a, b), cost in edge.seconds.items():
             col = m.col(cost)
+            if edge.memory.get((a, b)):
+                memory.append((col, edge.memory[(a, b)]))
             out_rows.setdefault(a, []).append((col, 1.0))
             in_rows.setdefault(b, []).append((col, 1.0))
         for i, a in enumerate(edge.producer_layouts):
@@ -130,6 +134,7 @@ def _add_edges(m: _Model, problem: Problem, x) -> None:
             m.row(f"edge_out[{edge.producer}->{edge.consumer}:{a}]", coeffs, 0.0, 0.0)
         for b, coeffs in in_rows.items():
             m.row(f"edge_in[{edge.producer}->{edge.consumer}:{b}]", coeffs, 0.0, 0.0)
+    return memory
 
 
 def _add_syncs(m: _Model, problem: Problem, x) -> None:
@@ -151,11 +156,13 @@ def _add_syncs(m: _Model, problem: Problem, x) -> None:
                   0.0, float("inf"))
 
 
-def _add_memory(m: _Model, problem: Problem, x, budget_bytes: float | None) -> None:
+def _add_memory(m: _Model, problem: Problem, x, budget_bytes: float | None,
+                edge_memory: list[tuple[int, float]] = ()) -> None:
     if budget_bytes is None:
         return
     coeffs = [(x[k][i], mem * _MEMORY_SCALE) for k, d in problem.decisions.items()
               for i, mem in enumerate(d.memory_bytes) if mem]
+    coeffs += [(col, mem * _MEMORY_SCALE) for col, mem in edge_memory]
     m.row("memory", coeffs, -float("inf"), budget_bytes * _MEMORY_SCALE)
 
 
@@ -267,9 +274,9 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     t0 = time.perf_counter()
     m = _Model()
     x = _add_decisions(m, problem)
-    _add_edges(m, problem, x)
+    edge_memory = _add_edges(m, problem, x)
     _add_syncs(m, problem, x)
-    _add_memory(m, problem, x, memory_budget_bytes)
+    _add_memory(m, problem, x, memory_budget_bytes, edge_memory)
     backends = {"highs": _solve_highs, "cbc": _solve_cbc}
     order = [solver] + [s for s in backends if s != solver]
     result, used, errors = None, None, []

@@ -40,9 +40,10 @@ from autopar.passes.annotate import STRATEGIES_KEY
 from autopar.passes.rules import tensor_leaves
 from autopar.strategy import REPLICATE_CODE, Layout, Strategy
 
-from autopar.tp_families import is_ring_attention, ring_axes
+from autopar.tp_families import is_ring_attention, ring_axes, summa_axes
 
-from .algorithms import ring_attention_steps
+from .algorithms import ring_attention_steps, summa_steps
+from .saved_inputs import saves_input
 from .buckets import bucketed_all_reduce_s
 from .comm import all_reduce_s
 from .costs import TrainingSpec, activation_bytes, compute_seconds, param_state_bytes
@@ -96,6 +97,13 @@ class EdgeTerm:
     tensor: str = ""  # the tensor moved, as SyncTerm.tensor names it (ZeRO-3 pricing: cost_model/fsdp_pricing.py)
     input_index: int = -1  # which tensor input of the consumer it is
     sources: list[str] = field(default_factory=list)  # the actual tensor behind each of the ``count`` copies
+    # Per (producer layout, consumer layout): bytes of the moved tensor the consumer keeps for its
+    # backward (a contraction saving its gathered activation panel), times ``count``.
+    memory: dict[tuple[Layout, Layout], float] = field(default_factory=dict)
+
+
+_SAVING_CONTRACTIONS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default,
+                        torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
 
 
 @dataclass
@@ -395,8 +403,8 @@ class _Builder:
         if n.op == "placeholder" and self.needs.get(n.name, False):
             self.add_input_grad(n, d)
         for i, (st, zero_axes) in enumerate(options):
-            if n.op == "call_function" and is_ring_attention(n, st):
-                steps = self.ring_steps(n, st)
+            if n.op == "call_function" and (is_ring_attention(n, st) or summa_axes(n, st) is not None):
+                steps = self.ring_steps(n, st) if is_ring_attention(n, st) else self.summa_steps(n, st)
                 sec = steps_seconds(steps, self.mesh) * count
                 d.seconds[i] += sec
                 d.comm_seconds[i] += sec
@@ -420,6 +428,18 @@ class _Builder:
         vb = _tensor_bytes(v.meta["val"], self.train) * st.inputs[2].local_fraction(self.mesh)
         return ring_attention_steps(kb, vb, self.mesh.sizes[axis], axis, self.needs[n.name],
                                     self.train.activation_bytes_per_elem)
+
+    def summa_steps(self, n: fx.Node, st: Strategy) -> list[CommStep]:
+        """SUMMA's broadcasts and reduces (``cost_model.algorithms``) for a linear layer."""
+        r, c = summa_axes(n, st)
+        x, w = n.args[0], n.args[1]
+        x_local = st.inputs[0].local_shape(self.mesh, tuple(x.meta["val"].shape))
+        n_local = st.inputs[1].local_shape(self.mesh, tuple(w.meta["val"].shape))[0]
+        rows = math.prod(x_local[:-1])
+        k = w.meta["val"].shape[1]
+        return summa_steps(rows, k, n_local, self.mesh.sizes[r], self.mesh.sizes[c], r, c,
+                           self.train.activation_bytes_per_elem, self.needs.get(x.name, False),
+                           self.needs.get(w.name, False), self.needs[n.name])
 
     def add_input_grad(self, n: fx.Node, d: Decision) -> None:
         """An input whose gradient is wanted (a pipeline stage's input) is cut from the whole
@@ -560,7 +580,8 @@ class _Builder:
                             seconds[(a, b)] = reshard_seconds(a, b, total, self.mesh, grad)
                     edge_acc[key] = EdgeTerm(ukey, vkey, producer_layouts, consumer_layouts, seconds,
                                              total_bytes=total, needs_grad=grad,
-                                             tensor=f"{self.rep[u.name]}[{out_idx}]", input_index=k)
+                                             tensor=f"{self.rep[u.name]}[{out_idx}]", input_index=k,
+                                             memory=self.saved_panel_bytes(u, v, k, ukey, total, seconds))
                     edge_syncs[key] = (self.add_syncs(sync_acc, (self.rep[u.name], out_idx), dv, k, total)
                                        if grad else [])
                 edge_acc[key].sources.append(f"{u.name}[{out_idx}]")
@@ -570,6 +591,7 @@ class _Builder:
         for e in edges:
             if e.count > 1:
                 e.seconds = {ab: c * e.count for ab, c in e.seconds.items()}
+                e.memory = {ab: m * e.count for ab, m in e.memory.items()}
         for skey, sync in sync_acc.items():
             # One all-reduce per actual tensor: a repeated block's copies each have their own,
             # and a block's input comes from a different producer in the first block.
@@ -577,6 +599,16 @@ class _Builder:
             sync.seconds *= sync.count
             sync.triggers = list(dict.fromkeys(sync.triggers))
         return edges, list(sync_acc.values())
+
+    def saved_panel_bytes(self, u: fx.Node, v: fx.Node, k: int, ukey: str, total: float, pairs) -> dict:
+        """Memory of an activation a contraction keeps for backward in the layout it moved it
+        to (a whole-panel all-gather's result, say): a tensor of its own, besides the producer's
+        output. Parameters are left out (ZeRO-3 gathers keep their shard and gather again)."""
+        if v.target not in _SAVING_CONTRACTIONS or self.decisions[ukey].is_param:
+            return {}
+        if not saves_input(v, k, self.needs):
+            return {}
+        return {(a, b): total * b.local_fraction(self.mesh) for a, b in pairs if a != b}
 
     def _split_axes(self, d: Decision) -> list[tuple[int, ...]]:
         """Per option, the axes on which the gradient of a replicated input comes back partial."""

@@ -112,6 +112,10 @@ def node_strategies(node: fx.Node, mesh: MeshSpec, cache: dict | None = None) ->
     args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
     ins = [tensor_info(t) for t in tensor_leaves(args, kwargs)]
     result = tuple(expand(rule.fn(*args, **kwargs), ins, [tensor_info(t) for t in outs], mesh))
+    if node.target is torch.ops.aten.linear.default and mesh.ndim >= 2:
+        from autopar.tp_families import summa_strategies  # 2D matmuls by SUMMA's panel loop
+
+        result = result + tuple(summa_strategies(node, result, mesh))
     if cache is not None:
         cache[key] = result
     return result

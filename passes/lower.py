@@ -24,7 +24,7 @@ from autopar.mesh import MeshSpec
 from autopar.runtime import collectives as C
 from autopar.runtime import fsdp as F
 from autopar.strategy import REPLICATE_CODE, PARTIAL_AVG_CODE, Layout, Replicate, Strategy
-from autopar.tp_families import is_ring_attention, ring_axes
+from autopar.tp_families import is_ring_attention, ring_axes, summa_axes
 
 from .defer_sync import ParamUse, defer_param_syncs, fsdp_axis
 from .rules import get_rule, has_rule, tensor_leaves
@@ -201,6 +201,8 @@ class _Lowering:
         args, kwargs = self.localize(node, tuple(args), kwargs, s)
         if is_ring_attention(node, s):
             out = self.ring_attention(node, s, tuple(args), kwargs)
+        elif summa_axes(node, s) is not None:
+            out = self.summa(node, s, tuple(args), kwargs)
         else:
             out = self.graph.call_function(node.target, tuple(args), kwargs)
         out.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
@@ -219,6 +221,19 @@ class _Lowering:
         return self.graph.call_function(ring_attention, (bound["query"], bound["key"], bound["value"],
                                                          self.groups[axis]),
                                         {"causal": bool(bound.get("is_causal", False)), "scale": bound.get("scale")})
+
+    def summa(self, node: fx.Node, s: Strategy, args: tuple, kwargs: dict) -> fx.Node:
+        """A linear layer on its stored 2D blocks by SUMMA's panel loop (``runtime.summa``)."""
+        from autopar.runtime.summa import summa_matmul
+
+        r, c = summa_axes(node, s)
+        bound = dict(zip(("input", "weight", "bias"), args))
+        bound.update(kwargs)
+        w_t = self.graph.call_function(torch.ops.aten.t.default, (bound["weight"],))
+        out = self.graph.call_function(summa_matmul, (bound["input"], w_t, self.groups[r], self.groups[c]))
+        if bound.get("bias") is not None:
+            out = self.graph.call_function(torch.ops.aten.add.Tensor, (out, bound["bias"]))
+        return out
 
     def do_call_module(self, node: fx.Node) -> None:
         raise NotImplementedError(f"call_module {node.target} in a traced graph: trace with autopar.trace")

@@ -115,8 +115,7 @@ def _reduce_onto(part: torch.Tensor, owner: int, g: AxisGroup) -> None:
     if g.size == 1:
         return
     dist.reduce(part, dst=_global_rank(g, owner), op=dist.ReduceOp.SUM, group=g.group)
-    if COUNTER.enabled:  # not in cost_model.comm's table: S per rank, like the broadcast
-        COUNTER.bytes["reduce"] += float(_nbytes(part))
+    COUNTER.add("reduce", _nbytes(part), g.size)  # S per rank, like the broadcast
 
 
 # --- the op ---------------------------------------------------------------------------------------

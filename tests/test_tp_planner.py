@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.cost_model.evaluate import shared_reshards
 from autopar.cost_model.reshard import _transitions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshSpec
@@ -17,7 +18,7 @@ from autopar.models import get_model
 from autopar.report import format_report
 from autopar.runtime.parallel_module import local_shard
 from autopar.strategy import PARTIAL_SUM_CODE, REPLICATE_CODE, Layout, Partial, Replicate, Shard
-from autopar.tp_families import is_ring_attention, layout_kind
+from autopar.tp_families import is_ring_attention, layout_kind, summa_axes
 
 aten = torch.ops.aten
 
@@ -78,6 +79,34 @@ def test_sequence_parallel_families_split_the_sequence_and_choose_their_attentio
     assert uly.comm_bytes.get("all_to_all", 0) > 0 and "p2p" not in uly.comm_bytes
     text = format_report(ring)
     assert "sequence parallel" in text and "ring attention" in text
+
+
+def test_summa_panel_loop_is_chosen_where_whole_panels_do_not_fit_and_priced_as_it_runs():
+    # Unconstrained, 2D gathers whole panels (fewer, larger collectives); under a budget that
+    # the gathered activation panels kept for backward would exceed, linear layers run SUMMA's
+    # broadcast loop on their stored blocks, and the plan prices its broadcasts and reduces.
+    free = _plan("gpt-tiny", 4, "2d")
+    tight = _plan("gpt-tiny", 4, "2d", memory_budget_bytes=0.95e6)
+
+    def summa_nodes(plan):
+        return [n.name for n, st in _decisions(plan) if n.op == "call_function" and summa_axes(n, st)]
+
+    assert not summa_nodes(free) and "broadcast" not in free.comm_bytes
+    assert summa_nodes(tight) and tight.comm_bytes["broadcast"] > 0 and tight.comm_bytes["reduce"] > 0
+    assert tight.peak_memory_bytes_per_device <= 0.95e6 < free.peak_memory_bytes_per_device
+    assert tight.step_seconds > free.step_seconds  # more messages: the price of the memory
+
+
+def test_a_gathered_activation_kept_for_backward_counts_as_memory():
+    # Megatron-SP all-gathers the sequence-split input of each column-parallel linear layer,
+    # which keeps the whole gathered input for its weight gradient: a tensor of its own.
+    plan = _plan("gpt-tiny", 4, "megatron-sp")
+    problem, choice = plan._problem, plan._choice
+    shared = shared_reshards(problem, choice)  # q, k and v share one gathered input
+    held = sum(e.memory.get((e.producer_layouts[choice[e.producer]], e.consumer_layouts[choice[e.consumer]]), 0.0)
+               * (e.count - shared.get(i, 0)) / e.count for i, e in enumerate(problem.edges))
+    own = sum(d.memory_bytes[choice[k]] for k, d in problem.decisions.items() if not d.is_param)
+    assert held > 0 and plan.activation_bytes == pytest.approx(own + held)
 
 
 def test_a_family_pinned_on_a_mesh_of_the_wrong_shape_says_which_mesh_it_needs():

@@ -17,9 +17,11 @@ from dist_cases import build, case_key  # noqa: E402
 from test_runtime import _free_port, _reference  # noqa: E402
 
 LONG_SEQ_BUDGET = 4.2e6  # bytes per device: fits with the sequence split, not without (see below)
+SUMMA_BUDGET = 0.95e6  # 2D under this budget runs linear layers by SUMMA's panel loop
 CASES_BY_WORLD = {
     4: [(m, f, None) for m in ("gpt-tiny", "bert-tiny") for f in ("2d", "ulysses", "ring", "megatron-sp")]
-       + [("gpt-tiny", "ring", "sp=4"), ("gpt-longseq", "auto", None, {"memory_budget_bytes": LONG_SEQ_BUDGET})],
+       + [("gpt-tiny", "ring", "sp=4"), ("gpt-tiny", "2d", None, {"memory_budget_bytes": SUMMA_BUDGET}),
+          ("gpt-longseq", "auto", None, {"memory_budget_bytes": LONG_SEQ_BUDGET})],
     8: [(m, f, None) for m in ("gpt-tiny", "bert-tiny") for f in ("2.5d", "3d")]
        + [("gpt-tiny", "2d", "row=2,col=4"), ("bert-tiny", "ulysses", "dp=2,sp=4")],
 }
@@ -92,6 +94,8 @@ def test_layout_runs_equal_single_process_and_bytes_match(launch, world_case, re
     attention = [s for n, s in r["strategies"].items() if "scaled_dot_product_attention" in n]
     if family == "ring":  # K/V go around the ring: point-to-point bytes, sequence-split keys
         assert r["predicted"].get("p2p", 0) > 0 and attention
+    if len(case) > 3 and case[3].get("memory_budget_bytes") == SUMMA_BUDGET:  # SUMMA's broadcasts and reduces
+        assert r["predicted"].get("broadcast", 0) > 0 and r["predicted"].get("reduce", 0) > 0
     if family == "ulysses":  # attention over heads, reached by all-to-all from the sequence split
         assert r["predicted"].get("all_to_all", 0) > 0 and "p2p" not in r["predicted"]
     report_line(f"layouts {world} ranks {case_key(case).replace('/None', '')}: mesh {r['mesh']} ({kind}), "
