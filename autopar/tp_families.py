@@ -89,6 +89,10 @@ def grid_pin(batch_axes: Sequence[int], zero3_axes: Sequence[int], tp_axes: Sequ
       split on every tensor axis;
     * activations with a batch leading dim split (or Partial) on each of ``split_axes`` too:
       activation memory falls with every axis, as the algorithms' does.
+
+    The op constraints hold inside the repeated blocks (the transformer layers the papers
+    parallelize); embeddings, the output head and the loss are left to the ILP (a 3D-split
+    vocabulary projection would reduce-scatter and re-gather the logits, the largest tensor).
     """
     batch_axes, zero3_axes, tp_axes, split_axes = map(tuple, (batch_axes, zero3_axes, tp_axes, split_axes))
     cache: dict[int, set[int]] = {}
@@ -98,6 +102,18 @@ def grid_pin(batch_axes: Sequence[int], zero3_axes: Sequence[int], tp_axes: Sequ
         if id(node.graph) not in cache:
             cache[id(node.graph)] = _batch_sizes(node.graph)
         return cache[id(node.graph)]
+
+    layered: dict[int, bool] = {}
+
+    def in_layers(node: fx.Node) -> bool:
+        """Inside a repeated block (the transformer layers the algorithms are about); every
+        node when the model has no repeated blocks."""
+        from autopar.cost_model.problem import _block_of
+
+        key = id(node.graph)
+        if key not in layered:
+            layered[key] = any(_block_of(n) is not None for n in node.graph.nodes if n.op == "call_function")
+        return not layered[key] or _block_of(node) is not None
 
     def pin(node: fx.Node, option) -> bool:
         strategy, zero_axes = option
@@ -117,6 +133,8 @@ def grid_pin(batch_axes: Sequence[int], zero3_axes: Sequence[int], tp_axes: Sequ
             return all(isinstance(pl[a], Replicate) for a in batch_axes if a not in zero3_axes)
         if node.op != "call_function":
             return True
+        if not in_layers(node):
+            return True  # embeddings, output head and loss: the ILP lays them out freely
         if node not in weight_positions:
             weight_positions[node] = [k for k, p in enumerate(tensor_leaves(node.args, node.kwargs, _is_tensor_node))
                                       if p.op == "get_attr" and p.meta["val"].dim() >= 2]
