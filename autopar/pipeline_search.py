@@ -98,13 +98,14 @@ def _split_costs(plan: Plan) -> _Part:
     for g in problem.syncs:
         if g.param and g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
             continue
-        if any(choice[k] == i for k, i in g.triggers):
+        count = g.active_count(choice)
+        if count:
             if (g.tensor, g.axis, g.layout) in fused:  # the gather's reduce-scatter, per micro-batch
-                use += collective_s("reduce_scatter", g.nbytes, mesh.sizes[g.axis], mesh.links[g.axis]) * g.count
+                use += collective_s("reduce_scatter", g.nbytes, mesh.sizes[g.axis], mesh.links[g.axis]) * count
             elif g.param:  # once per step, after the schedule (runtime.pipeline defers them)
-                step += g.seconds
+                step += g.seconds * count / g.count
             else:
-                batch += g.seconds
+                batch += g.seconds * count / g.count
     return _Part(batch, use, step, params, acts)
 
 

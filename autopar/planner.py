@@ -155,7 +155,7 @@ def _pin(data_axes: Sequence[int], tp_axes: Sequence[int], zero3: bool, sp: bool
                 return False
         if data_axes and isinstance(val, torch.Tensor) and val.dim() > 0 and val.shape[0] in batch_sizes(node):
             for layout in strategy.outputs:
-                if not all(layout.placements[a] == Shard(0) or layout.has_partial for a in data_axes):
+                if not all(layout.placements[a] == Shard(0) or layout.codes[a] < -1 for a in data_axes):
                     return False
         if node.target in _LAYER_NORMS and sp is not None and tp_axes:
             pl = strategy.inputs[0].placements

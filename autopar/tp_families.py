@@ -151,7 +151,7 @@ def grid_pin(batch_axes: Sequence[int], zero3_axes: Sequence[int], tp_axes: Sequ
         if val.dim() > 0 and int(val.shape[0]) in batches(node):
             for layout in strategy.outputs:
                 pl = layout.placements
-                if not all(pl[a] == Shard(0) or layout.has_partial for a in batch_axes):
+                if not all(pl[a] == Shard(0) or layout.codes[a] < -1 for a in batch_axes):  # split, or partial there
                     return False
                 if not all(not isinstance(pl[a], Replicate) for a in split_axes):
                     return False
@@ -205,7 +205,7 @@ def sp_pin(sp_axis: int, batch_axes: Sequence[int] = (), attention: str | None =
                 pl = layout.placements
                 if isinstance(pl[sp_axis], Replicate):
                     return False
-                if not all(pl[a] == Shard(0) or layout.has_partial for a in batch_axes):
+                if not all(pl[a] == Shard(0) or layout.codes[a] < -1 for a in batch_axes):  # split, or partial there
                     return False
         return True
 
@@ -273,7 +273,10 @@ def layout_kind(plan) -> str:
         val = node.meta.get("val")
         if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 1:
             batch_axes |= {a for a, c in enumerate(st.output.codes) if c == 0}
-            if val.dim() >= 2 and any(c == 1 for c in st.output.codes):
+            # dim 1 is the sequence of token ids (b, s) and of (b, s, h) inputs; of a float
+            # (rows, features) input it is the features
+            seq_input = val.dim() >= 3 or (val.dim() == 2 and not val.dtype.is_floating_point)
+            if seq_input and any(c == 1 for c in st.output.codes):
                 sp = True
         if d.is_param and val.dim() >= 2:
             n_weights += 1
@@ -304,8 +307,11 @@ def layout_kind(plan) -> str:
     stored_axes = {a for a, k in stored.items() if k * 2 >= n_weights}
     if not used_axes:
         kind = "DP" if batch_axes else ("" if sp else "replicated")
-    elif len(used_axes) >= 2:
-        kind = "3D" if stored_axes - used_axes else "2D"
+    elif len(used_axes) >= 2:  # (SUMMA uses weights as stored: split on both grid axes)
+        if stored_axes - used_axes:
+            kind = "3D"
+        else:
+            kind = "2.5D" if batch_axes - used_axes - stored_axes else "2D"
     else:
         gathered = (stored_axes - used_axes) & batch_axes  # split in storage, whole in use: panels
         if not gathered:
@@ -425,3 +431,13 @@ def summa_axes(node: fx.Node, strategy) -> tuple[int, int] | None:
     if len(cols) == 1 and len(rows) == 1:
         return rows[0], cols[0]
     return None
+
+
+def sharded_norm_axis(node: fx.Node, strategy) -> int | None:
+    """The axis over which this layer norm's hidden dim is split (Optimus's layer norm,
+    ``runtime.sharded_norm``), or None."""
+    if node.target is not aten.layer_norm.default or not strategy.inputs:
+        return None
+    last = node.args[0].meta["val"].dim() - 1
+    axes = [a for a, c in enumerate(strategy.inputs[0].codes) if c == last]
+    return axes[0] if len(axes) == 1 else None

@@ -12,7 +12,7 @@ from .reshard import CommStep
 
 import math
 
-__all__ = ["ring_attention_steps", "summa_steps"]
+__all__ = ["ring_attention_steps", "summa_steps", "sharded_norm_steps"]
 
 
 def ring_attention_steps(k_local_bytes: float, v_local_bytes: float, n: int, axis: int,
@@ -50,3 +50,14 @@ def summa_steps(rows_local: int, k: int, n_local: int, q_r: int, q_c: int, row_a
     if backward and need_w_grad:
         per_panel += a_b + ([CommStep("reduce", row_axis, b_panel)] if q_r > 1 else [])
     return per_panel * n_panels
+
+
+def sharded_norm_steps(rows_local: int, axis: int, elem_bytes: float, backward: bool) -> list[CommStep]:
+    """Layer norm over a split hidden dim (``runtime.sharded_norm``): the forward all-reduces
+    the per-row sum and then the per-row squared deviation (one fp32 value per row each), the
+    backward both per-row gradient sums in one all-reduce."""
+    stat = rows_local * max(elem_bytes, 4.0)
+    steps = [CommStep("all_reduce", axis, stat), CommStep("all_reduce", axis, stat)]
+    if backward:
+        steps.append(CommStep("all_reduce", axis, 2 * stat))
+    return steps

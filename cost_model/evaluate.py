@@ -101,9 +101,10 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
     for g in problem.syncs:
         if g.param and g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
             continue  # ZeRO-2 reduce-scatters this gradient (its steps are the parameter's)
-        if any(choice[k] == i for k, i in g.triggers):
+        count = g.active_count(choice)  # the tensors whose consumers chose a triggering option
+        if count:
             kind = "reduce_scatter" if (g.tensor, g.axis, g.layout) in fused else "all_reduce"
             n, link = mesh.sizes[g.axis], mesh.links[g.axis]
-            comm_s += g.seconds if kind == "all_reduce" else collective_s(kind, g.nbytes, n, link) * g.count
-            sent[kind] += bytes_sent_per_rank(kind, g.nbytes, n) * g.count
+            comm_s += g.seconds * count / g.count if kind == "all_reduce" else collective_s(kind, g.nbytes, n, link) * count
+            sent[kind] += bytes_sent_per_rank(kind, g.nbytes, n) * count
     return Prediction(node_s + comm_s, node_s, comm_s, params_b, acts_b, dict(sent))

@@ -53,6 +53,10 @@ def fsdp_fusions(problem: Problem, choice: dict[str, int]) -> tuple[set[tuple], 
         if axis is None:
             continue
         fused.add((e.tensor, axis, b))
-        if saves_input(consumer.node, e.input_index, problem.needs_grad):
-            regathers.append((CommStep("all_gather", axis, e.total_bytes * b.local_fraction(mesh)), e.count))
+        # each copy asks its own node: the first block's layer may keep no weight (its input needs
+        # no gradient) where the later blocks' layers do
+        saving = sum(saves_input(v, e.input_index, problem.needs_grad) for v in e.targets) if e.targets else (
+            e.count if saves_input(consumer.node, e.input_index, problem.needs_grad) else 0)
+        if saving:
+            regathers.append((CommStep("all_gather", axis, e.total_bytes * b.local_fraction(mesh)), saving))
     return fused, regathers

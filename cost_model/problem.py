@@ -40,9 +40,9 @@ from autopar.passes.annotate import STRATEGIES_KEY
 from autopar.passes.rules import tensor_leaves
 from autopar.strategy import REPLICATE_CODE, Layout, Strategy
 
-from autopar.tp_families import is_ring_attention, ring_axes, summa_axes
+from autopar.tp_families import is_ring_attention, ring_axes, sharded_norm_axis, summa_axes
 
-from .algorithms import ring_attention_steps, summa_steps
+from .algorithms import ring_attention_steps, sharded_norm_steps, summa_steps
 from .saved_inputs import saves_input
 from .buckets import bucketed_all_reduce_s
 from .comm import all_reduce_s
@@ -97,6 +97,7 @@ class EdgeTerm:
     tensor: str = ""  # the tensor moved, as SyncTerm.tensor names it (ZeRO-3 pricing: cost_model/fsdp_pricing.py)
     input_index: int = -1  # which tensor input of the consumer it is
     sources: list[str] = field(default_factory=list)  # the actual tensor behind each of the ``count`` copies
+    targets: list[fx.Node] = field(default_factory=list)  # the actual consumer node of each copy
     # Per (producer layout, consumer layout): bytes of the moved tensor the consumer keeps for its
     # backward (a contraction saving its gathered activation panel), times ``count``.
     memory: dict[tuple[Layout, Layout], float] = field(default_factory=dict)
@@ -120,6 +121,18 @@ class SyncTerm:
     # of it), or "": a ZeRO-2 option of that parameter on ``axis`` reduce-scatters it instead.
     param: str = ""
     layout: Layout | None = None  # the consumer's layout of the tensor (replicated on ``axis``)
+    # consumer decision key -> the actual tensors whose all-reduce it triggers (``count`` is all of
+    # them: the ILP's estimate; ``active_count`` the exact number under a choice)
+    sources: dict[str, set[str]] = field(default_factory=dict)
+
+    def active_count(self, choice: dict[str, int]) -> int:
+        """How many actual tensors' all-reduces the chosen options trigger (0: none)."""
+        active = {k for k, i in self.triggers if choice[k] == i}
+        if not active:
+            return 0
+        if not self.sources:
+            return self.count
+        return len(set().union(*(self.sources.get(k, set()) for k in active))) or self.count
 
 
 @dataclass
@@ -403,8 +416,8 @@ class _Builder:
         if n.op == "placeholder" and self.needs.get(n.name, False):
             self.add_input_grad(n, d)
         for i, (st, zero_axes) in enumerate(options):
-            if n.op == "call_function" and (is_ring_attention(n, st) or summa_axes(n, st) is not None):
-                steps = self.ring_steps(n, st) if is_ring_attention(n, st) else self.summa_steps(n, st)
+            steps = self.algorithm_steps(n, st) if n.op == "call_function" else []
+            if steps:
                 sec = steps_seconds(steps, self.mesh) * count
                 d.seconds[i] += sec
                 d.comm_seconds[i] += sec
@@ -419,6 +432,20 @@ class _Builder:
                 d.seconds[i] += sec
                 d.comm_seconds[i] += sec
                 d.comm_steps[i].extend((step, count) for step in steps)
+
+    def algorithm_steps(self, n: fx.Node, st: Strategy) -> list[CommStep]:
+        """The collectives of a runtime algorithm the strategy runs (``cost_model.algorithms``)."""
+        if is_ring_attention(n, st):
+            return self.ring_steps(n, st)
+        if summa_axes(n, st) is not None:
+            return self.summa_steps(n, st)
+        axis = sharded_norm_axis(n, st)
+        if axis is not None:
+            x = n.args[0].meta["val"]
+            local = st.inputs[0].local_shape(self.mesh, tuple(x.shape))
+            return sharded_norm_steps(math.prod(local[:-1]), axis, self.train.activation_bytes_per_elem,
+                                      self.needs[n.name])
+        return []
 
     def ring_steps(self, n: fx.Node, st: Strategy) -> list[CommStep]:
         """Ring attention's sends (``cost_model.algorithms``): K and V blocks around the ring."""
@@ -585,8 +612,10 @@ class _Builder:
                     edge_syncs[key] = (self.add_syncs(sync_acc, (self.rep[u.name], out_idx), dv, k, total)
                                        if grad else [])
                 edge_acc[key].sources.append(f"{u.name}[{out_idx}]")
+                edge_acc[key].targets.append(v)
                 for skey in edge_syncs[key]:
                     producers[skey].add(f"{u.name}[{out_idx}]")
+                    sync_acc[skey].sources.setdefault(vkey, set()).add(f"{u.name}[{out_idx}]")
         edges = list(edge_acc.values())
         for e in edges:
             if e.count > 1:

@@ -24,7 +24,7 @@ from autopar.mesh import MeshSpec
 from autopar.runtime import collectives as C
 from autopar.runtime import fsdp as F
 from autopar.strategy import REPLICATE_CODE, PARTIAL_AVG_CODE, Layout, Replicate, Strategy
-from autopar.tp_families import is_ring_attention, ring_axes, summa_axes
+from autopar.tp_families import is_ring_attention, ring_axes, sharded_norm_axis, summa_axes
 
 from .defer_sync import ParamUse, defer_param_syncs, fsdp_axis
 from .rules import get_rule, has_rule, tensor_leaves
@@ -203,6 +203,14 @@ class _Lowering:
             out = self.ring_attention(node, s, tuple(args), kwargs)
         elif summa_axes(node, s) is not None:
             out = self.summa(node, s, tuple(args), kwargs)
+        elif sharded_norm_axis(node, s) is not None:
+            from autopar.runtime.sharded_norm import sharded_layer_norm
+
+            bound = dict(zip(("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"), args))
+            bound.update(kwargs)
+            out = self.graph.call_function(sharded_layer_norm, (
+                bound["input"], list(node.args[1]), bound.get("weight"), bound.get("bias"), bound.get("eps", 1e-5),
+                self.groups[sharded_norm_axis(node, s)]))
         else:
             out = self.graph.call_function(node.target, tuple(args), kwargs)
         out.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}

@@ -11,6 +11,7 @@ import torch
 
 import autopar
 from autopar.cost_model.evaluate import shared_reshards
+from autopar.cost_model.problem import _block_of
 from autopar.cost_model.reshard import _transitions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshSpec
@@ -42,7 +43,7 @@ def test_2d_splits_weights_over_both_axes_and_activations_over_both():
     for node, st in _decisions(plan):
         if node.op == "get_attr" and node.meta["val"].dim() >= 2:
             assert all(c >= 0 for c in st.output.codes), (node.name, st)  # 1/q^2 of each weight
-        if node.target is aten.linear.default:
+        if node.target is aten.linear.default and _block_of(node):  # the layers (the head is free)
             w = st.inputs[1]
             assert w.codes[0] == REPLICATE_CODE and w.codes[1] >= 0, (node.name, st)  # a SUMMA panel
             assert st.output.codes[0] == 0 and st.output.codes[1] != REPLICATE_CODE, (node.name, st)
@@ -57,7 +58,7 @@ def test_25d_replicates_weights_over_depth_and_3d_cuts_k_and_n_on_different_axes
         if node.op == "get_attr" and node.meta["val"].dim() >= 2:
             assert st.output.codes[0] == REPLICATE_CODE and st.output.codes[1] >= 0 and st.output.codes[2] >= 0
     for node, st in _decisions(p3):
-        if node.target is aten.linear.default:
+        if node.target is aten.linear.default and _block_of(node):
             w = st.inputs[1]
             assert w.codes[0] == REPLICATE_CODE and w.codes[1] >= 0 and w.codes[2] >= 0 and w.codes[1] != w.codes[2]
     # per-device weights: 3D holds 1/8 of each matrix, 2.5D 1/4, 1D over 8 ranks 1/8 but whole activations

@@ -1,0 +1,62 @@
+"""Worker for tests/test_sharded_norm.py: layer norm with the hidden dim split over one axis
+(runtime.sharded_norm) on 4 gloo ranks, over the world and both axes of a 2x2 mesh; each rank
+returns its output and gradient pieces next to the single-process reference's."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+CASES = [("world", (3, 5, 16), True), ("inner", (4, 8), True), ("outer", (2, 3, 8), False), ("inner", (6, 12), False)]
+
+
+def main(rank: int, world: int, port: int, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.runtime.collectives import AxisGroup, count_bytes
+    from autopar.runtime.sharded_norm import sharded_layer_norm
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
+    coords = {"outer": rank // 2, "inner": rank % 2}
+    groups = {"world": AxisGroup("world", dist.group.WORLD, world, rank)}
+    for name, dim in (("outer", 0), ("inner", 1)):
+        groups[name] = AxisGroup(name, mesh.get_group(dim), 2, coords[name])
+    results = []
+    for i, (axis, shape, affine) in enumerate(CASES):
+        g = groups[axis]
+        gen = torch.Generator().manual_seed(100 + i)  # the same full tensors on every rank
+        x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + 1
+        w = torch.randn(shape[-1], generator=gen, dtype=torch.float64) if affine else None
+        b = torch.randn(shape[-1], generator=gen, dtype=torch.float64) if affine else None
+        dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+        ref_in = [t.clone().requires_grad_() for t in (x, w, b) if t is not None]
+        ref = torch.nn.functional.layer_norm(ref_in[0], (shape[-1],), *(ref_in[1:] if affine else (None, None)), 1e-5)
+        ref.backward(dy)
+        piece = lambda t: t.chunk(g.size, dim=-1)[g.rank].clone()
+        mine = [piece(t).requires_grad_() for t in (x, w, b) if t is not None]
+        with count_bytes() as sent:
+            out = sharded_layer_norm(mine[0], [shape[-1]], *(mine[1:] if affine else (None, None)), 1e-5, g)
+            out.backward(piece(dy))
+        results.append(dict(
+            out_err=(out - piece(ref.detach())).abs().max().item(),
+            grad_err=max((m.grad - piece(r.grad)).abs().max().item() for m, r in zip(mine, ref_in)),
+            sent=dict(sent), rows=x.numel() // shape[-1], n=g.size))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        torch.save(gathered, out_path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    world, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    mp.spawn(main, args=(world, port, out_path), nprocs=world)
