@@ -266,6 +266,7 @@ def layout_kind(plan) -> str:
     stored: dict[int, int] = {}
     n_weights = n_uses = 0
     batch_axes: set[int] = set()
+    batch_sizes = _batch_sizes(next(iter(problem.decisions.values())).node.graph)
     sp = False
     for key, d in problem.decisions.items():
         node = d.node
@@ -278,6 +279,10 @@ def layout_kind(plan) -> str:
             seq_input = val.dim() >= 3 or (val.dim() == 2 and not val.dtype.is_floating_point)
             if seq_input and any(c == 1 for c in st.output.codes):
                 sp = True
+        if node.op == "call_function" and isinstance(val, torch.Tensor) and val.dim() >= 2 \
+                and int(val.shape[0]) in batch_sizes:
+            # inputs may arrive whole and be cut by the first op (a free slice): activations tell
+            batch_axes |= {a for a, c in enumerate(st.output.codes) if c == 0}
         if d.is_param and val.dim() >= 2:
             n_weights += 1
             for a, c in enumerate(st.output.codes):
