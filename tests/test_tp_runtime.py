@@ -23,7 +23,8 @@ CASES_BY_WORLD = {
        + [("gpt-tiny", "ring", "sp=4"), ("gpt-tiny", "2d", None, {"memory_budget_bytes": SUMMA_BUDGET}),
           ("gpt-longseq", "auto", None, {"memory_budget_bytes": LONG_SEQ_BUDGET})],
     8: [(m, f, None) for m in ("gpt-tiny", "bert-tiny") for f in ("2.5d", "3d")]
-       + [("gpt-tiny", "2d", "row=2,col=4"), ("bert-tiny", "ulysses", "dp=2,sp=4")],
+       + [("gpt-tiny", "2d", "row=2,col=4"), ("bert-tiny", "ulysses", "dp=2,sp=4"), ("gpt-tiny", "ring", "dp=2,sp=4"),
+          ("bert-tiny", "megatron-sp", None)],
 }
 CASES = [(w, c) for w, cases in CASES_BY_WORLD.items() for c in cases]
 _LAUNCHES: dict = {}
