@@ -99,7 +99,7 @@ class EdgeTerm:
     sources: list[str] = field(default_factory=list)  # the actual tensor behind each of the ``count`` copies
     targets: list[fx.Node] = field(default_factory=list)  # the actual consumer node of each copy
     # Per (producer layout, consumer layout): bytes of the moved tensor the consumer keeps for its
-    # backward (a contraction saving its gathered activation panel), times ``count``.
+    # backward (a contraction saving its gathered activation panel), over the copies whose op keeps it.
     memory: dict[tuple[Layout, Layout], float] = field(default_factory=dict)
 
 
@@ -620,7 +620,9 @@ class _Builder:
         for e in edges:
             if e.count > 1:
                 e.seconds = {ab: c * e.count for ab, c in e.seconds.items()}
-                e.memory = {ab: m * e.count for ab, m in e.memory.items()}
+            if e.memory:  # each copy's own op says whether it keeps the tensor for backward
+                keeping = sum(saves_input(t, e.input_index, self.needs) for t in e.targets)
+                e.memory = {ab: m * keeping for ab, m in e.memory.items()} if keeping else {}
         for skey, sync in sync_acc.items():
             # One all-reduce per actual tensor: a repeated block's copies each have their own,
             # and a block's input comes from a different producer in the first block.
@@ -635,8 +637,7 @@ class _Builder:
         output. Parameters are left out (ZeRO-3 gathers keep their shard and gather again)."""
         if v.target not in _SAVING_CONTRACTIONS or self.decisions[ukey].is_param:
             return {}
-        if not saves_input(v, k, self.needs):
-            return {}
+        # per copy; edges_and_syncs multiplies by the copies whose op keeps it
         return {(a, b): total * b.local_fraction(self.mesh) for a, b in pairs if a != b}
 
     def _split_axes(self, d: Decision) -> list[tuple[int, ...]]:
