@@ -44,17 +44,21 @@ def _free_port() -> int:
 _LAUNCHES: dict = {}
 
 
-def _launch(world: int, tmp_path_factory) -> dict:
-    """One multi-process launch per world size runs all of its cases (start-up is ~10 s)."""
-    if world not in _LAUNCHES:
-        out = tmp_path_factory.mktemp(f"dist{world}") / "results.pt"
+def _launch(world: int, tmp_path_factory, cases_by_world: dict | None = None, cache: dict | None = None,
+            tag: str = "dist") -> dict:
+    """One multi-process launch per world size runs all of its cases (start-up is ~10 s).
+    Other test files pass their own ``cases_by_world`` and ``cache``."""
+    cases_by_world = CASES_BY_WORLD if cases_by_world is None else cases_by_world
+    cache = _LAUNCHES if cache is None else cache
+    if world not in cache:
+        out = tmp_path_factory.mktemp(f"{tag}{world}") / "results.pt"
         script = os.path.join(os.path.dirname(__file__), "dist_cases.py")
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run([sys.executable, script, str(world), str(_free_port()), str(out),
-                               json.dumps(CASES_BY_WORLD[world])], capture_output=True, text=True, timeout=1200, env=env)
+                               json.dumps(cases_by_world[world])], capture_output=True, text=True, timeout=1200, env=env)
         assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-        _LAUNCHES[world] = torch.load(out, weights_only=False)
-    return _LAUNCHES[world]
+        cache[world] = torch.load(out, weights_only=False)
+    return cache[world]
 
 
 @pytest.fixture(scope="module")

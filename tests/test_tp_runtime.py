@@ -4,9 +4,7 @@ Megatron-SP on 4 ranks, for the tiny GPT and the tiny BERT. Each equals the sing
 (loss, gradients, parameters after 3 AdamW steps) and sends exactly the bytes its plan
 predicts. A sequence too long to fit without sequence parallelism is planned and run with it."""
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_cases import build, case_key  # noqa: E402
-from test_runtime import _free_port, _reference  # noqa: E402
+from test_runtime import _launch, _reference  # noqa: E402
 
 LONG_SEQ_BUDGET = 4.2e6  # bytes per device: fits with the sequence split, not without (see below)
 SUMMA_BUDGET = 0.95e6  # 2D under this budget runs linear layers by SUMMA's panel loop
@@ -30,21 +28,9 @@ CASES = [(w, c) for w, cases in CASES_BY_WORLD.items() for c in cases]
 _LAUNCHES: dict = {}
 
 
-def _launch(world: int, tmp_path_factory) -> dict:
-    if world not in _LAUNCHES:
-        out = tmp_path_factory.mktemp(f"tp{world}") / "results.pt"
-        script = os.path.join(os.path.dirname(__file__), "dist_cases.py")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, script, str(world), str(_free_port()), str(out),
-                               json.dumps(CASES_BY_WORLD[world])], capture_output=True, text=True, timeout=1200, env=env)
-        assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-        _LAUNCHES[world] = torch.load(out, weights_only=False)
-    return _LAUNCHES[world]
-
-
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    return lambda world: _launch(world, tmp_path_factory)
+    return lambda world: _launch(world, tmp_path_factory, CASES_BY_WORLD, _LAUNCHES, "tp")
 
 
 def _plan(case, world):
