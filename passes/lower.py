@@ -206,8 +206,7 @@ class _Lowering:
         elif sharded_norm_axis(node, s) is not None:
             from autopar.runtime.sharded_norm import sharded_layer_norm
 
-            bound = dict(zip(("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"), args))
-            bound.update(kwargs)
+            bound = _bound(("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"), args, kwargs)
             out = self.graph.call_function(sharded_layer_norm, (
                 bound["input"], list(node.args[1]), bound.get("weight"), bound.get("bias"), bound.get("eps", 1e-5),
                 self.groups[sharded_norm_axis(node, s)]))
@@ -223,9 +222,8 @@ class _Lowering:
         from autopar.runtime.ring_attention import ring_attention
 
         (axis,) = ring_axes(node, s)
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-        bound = dict(zip(names, args))
-        bound.update(kwargs)
+        bound = _bound(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
+                       args, kwargs)
         return self.graph.call_function(ring_attention, (bound["query"], bound["key"], bound["value"],
                                                          self.groups[axis]),
                                         {"causal": bool(bound.get("is_causal", False)), "scale": bound.get("scale")})
@@ -235,8 +233,7 @@ class _Lowering:
         from autopar.runtime.summa import summa_matmul
 
         r, c = summa_axes(node, s)
-        bound = dict(zip(("input", "weight", "bias"), args))
-        bound.update(kwargs)
+        bound = _bound(("input", "weight", "bias"), args, kwargs)
         w_t = self.graph.call_function(torch.ops.aten.t.default, (bound["weight"],))
         out = self.graph.call_function(summa_matmul, (bound["input"], w_t, self.groups[r], self.groups[c]))
         if bound.get("bias") is not None:
@@ -260,6 +257,13 @@ class _Lowering:
             return self.env[x.name]
 
         self.graph.output(pytree.tree_map(whole, node.args[0]))
+
+
+def _bound(names: Sequence[str], args: tuple, kwargs: dict) -> dict:
+    """An ATen call's arguments by name (positional ones named by the schema's order)."""
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
 
 
 def _single_use_params(gm: fx.GraphModule, followers: set[str], zero2: dict) -> set[str]:

@@ -81,6 +81,17 @@ def _reference(name):
     return losses, grads, {k: v.detach() for k, v in model.state_dict().items()}
 
 
+def assert_matches_single_process(r: dict, name: str) -> None:
+    """Losses, first-step gradients and final parameters of a parallel run equal one process's."""
+    losses, grads, params = _reference(name)
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    for k, g in grads.items():
+        torch.testing.assert_close(r["grads"][k], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
+    for k, p in params.items():
+        if k in r["params"]:
+            torch.testing.assert_close(r["params"][k], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"param {k}: {m}")
+
+
 def _id(world_case) -> str:
     world, case = world_case
     return f"{world}ranks/" + case_key(case).replace("/None", "")
@@ -102,13 +113,7 @@ def test_parallel_run_equals_single_process_and_bytes_match_plan(launch, world_c
         assert any("autopar_rt.scaled_tanh" in w or "autopar_rt::scaled_tanh" in w for w in r["unknown_ops"]), r
         st = next(s for k, s in r["strategies"].items() if "scaled_tanh" in k)
         assert "S(" not in st and "P" not in st, st
-    losses, grads, params = _reference(name)
-    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
-    for k, g in grads.items():
-        torch.testing.assert_close(r["grads"][k], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
-    for k, p in params.items():
-        if k in r["params"]:
-            torch.testing.assert_close(r["params"][k], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"param {k}: {m}")
+    assert_matches_single_process(r, name)
     # the optimizer sees this rank's shards only: nothing meta, no second copy of the model
     assert r["param_devices"] == ["cpu"] and not any(k.startswith("_gm") for k in r["state_keys"])
     assert r["param_numel"] <= r["full_numel"]

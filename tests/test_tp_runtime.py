@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_cases import build, case_key  # noqa: E402
-from test_runtime import _launch, _reference  # noqa: E402
+from test_runtime import _id, _launch, assert_matches_single_process  # noqa: E402
 
 LONG_SEQ_BUDGET = 4.2e6  # bytes per device: fits with the sequence split, not without (see below)
 SUMMA_BUDGET = 0.95e6  # 2D under this budget runs linear layers by SUMMA's panel loop
@@ -46,11 +46,6 @@ def _plan(case, world):
 EXPECTED_KIND = {"2d": "2D", "2.5d": "2.5D", "3d": "3D", "ulysses": "SP", "ring": "SP", "megatron-sp": "1D+SP"}
 
 
-def _id(world_case) -> str:
-    world, case = world_case
-    return f"{world}ranks/" + case_key(case).replace("/None", "")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world_case", CASES, ids=[_id(c) for c in CASES])
 def test_layout_runs_equal_single_process_and_bytes_match(launch, world_case, report_line):
@@ -60,13 +55,7 @@ def test_layout_runs_equal_single_process_and_bytes_match(launch, world_case, re
     name, family = case[0], case[1]
     r = launch(world)[case_key(case)]
     assert "error" not in r, r.get("error")
-    losses, grads, params = _reference(name)
-    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
-    for k, g in grads.items():
-        torch.testing.assert_close(r["grads"][k], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
-    for k, p in params.items():
-        if k in r["params"]:
-            torch.testing.assert_close(r["params"][k], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"param {k}: {m}")
+    assert_matches_single_process(r, name)
     for step, sent in enumerate(r["sent"]):
         assert sent == pytest.approx(r["predicted"]), (step, sent, r["predicted"])
     plan = _plan(case, world)
