@@ -32,6 +32,7 @@ from autopar.trace import graph_fingerprint, trace
 from . import collectives as C
 from .fsdp import fsdp_gather, regather_saved_weights
 from .grad_buckets import GradBuckets
+from .shard_info import ShardInfo
 
 __all__ = ["parallelize", "ParallelModule"]
 
@@ -166,6 +167,26 @@ class ParallelModule(nn.Module):
             slices.append(None if s is None else
                           _shard_slices(leaf.meta["val"].shape, s.outputs[0], self._coords, self.plan.mesh.sizes))
         return slices
+
+    def shards(self) -> list[ShardInfo]:
+        """What this rank holds of every parameter and buffer, and over which mesh axes it is
+        split (``runtime/shard_info.py``). Tied weights appear once per name; later names set
+        ``tied_to`` the first."""
+        out: list[ShardInfo] = []
+        first: dict[int, str] = {}
+        for target, node in self._params.items():
+            is_param = _is_param(self.program, target)
+            local = self.program.get_parameter(target) if is_param else self.program.get_buffer(target)
+            layout = self._strategies[node.name].output if node.name in self._strategies else None
+            cuts = () if layout is None else tuple((a, c) for a, c in enumerate(layout.codes) if c >= 0)
+            tied = first.setdefault(id(local), target)
+            out.append(ShardInfo(target, local, is_param, tuple(node.meta["val"].shape), cuts,
+                                 tuple(sorted(self._zero2.get(node.name, ()))), None if tied == target else tied))
+        return out
+
+    def axis_group(self, axis: int):
+        """The torch.distributed process group of mesh axis ``axis`` (this rank's line along it)."""
+        return self._groups[axis].group
 
     def _zero2_groups(self, node: fx.Node) -> list[C.AxisGroup]:
         return [self._groups[a] for a in sorted(self._zero2[node.name])]

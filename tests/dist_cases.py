@@ -109,6 +109,46 @@ def local_outputs(family: str) -> dict:
                 whole_shape=tuple(whole.shape), single=(whole - model(x)).abs().max().item())
 
 
+def _expected_piece(shape, dim_axes, coords, sizes) -> tuple[int, ...]:
+    """The local shape a layout gives, computed here from chunk arithmetic alone (not from
+    the runtime's own slicing code): each cut takes chunk ``coords[axis]`` of ``sizes[axis]``."""
+    shape = list(shape)
+    for axis, dim in dim_axes:
+        pieces = torch.arange(shape[dim]).chunk(sizes[axis])
+        shape[dim] = pieces[coords[axis]].numel() if coords[axis] < len(pieces) else 0
+    return tuple(shape)
+
+
+def _shard_mismatches(pm) -> list[str]:
+    """Every parameter and buffer whose local tensor is not the piece the plan's layout names."""
+    sizes = pm.plan.mesh.sizes
+    rank, coords = dist.get_rank(), []
+    for s in reversed(sizes):
+        coords.append(rank % s)
+        rank //= s
+    coords = coords[::-1]
+    bad = []
+    for info in pm.shards():
+        want = _expected_piece(info.global_shape, info.dim_axes, coords, sizes)
+        if info.zero2_axes:
+            k = 1
+            for a in info.zero2_axes:
+                k *= sizes[a]
+            numel = 1
+            for d in want:
+                numel *= d
+            want = (-(-numel // k),)
+        if tuple(info.tensor.shape) != want:
+            bad.append(f"rank {dist.get_rank()} {info.name}: {tuple(info.tensor.shape)} != {want}")
+    return bad
+
+
+def _all_ranks(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def run_case(name: str, family: str, mesh: str | None, options: dict | None = None):
     import warnings
 
@@ -140,7 +180,9 @@ def run_case(name: str, family: str, mesh: str | None, options: dict | None = No
         sent_per_step.append(dict(sent))
         opt.step()
         opt.zero_grad()
+    mismatched = [m for ms in _all_ranks(_shard_mismatches(pm)) for m in ms]
     return dict(losses=losses, grads=grads, params=pm.full_state_dict(), sent=sent_per_step,
+                shard_mismatches=mismatched, cut_params=sum(1 for s in pm.shards() if s.is_param and s.split_axes),
                 predicted=dict(pm.plan.comm_bytes), mesh=str(pm.plan.mesh), unknown_ops=unknown_ops,
                 strategies={n.name: n.strategy for n in pm.plan.nodes},
                 zero2_params=sum(1 for n in pm.plan.nodes if n.zero_axes),

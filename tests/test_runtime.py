@@ -119,6 +119,11 @@ def test_parallel_run_equals_single_process_and_bytes_match_plan(launch, world_c
     assert r["param_numel"] <= r["full_numel"]
     if family in ("zero2", "zero3"):
         assert r["param_numel"] < r["full_numel"] * 0.75, (r["param_numel"], r["full_numel"])
+    # every rank's every parameter is exactly the piece its planned layout names (chunk
+    # arithmetic in dist_cases, independent of the runtime's slicing), and sharding families cut some
+    assert not r["shard_mismatches"], r["shard_mismatches"][:5]
+    if family in ("zero2", "zero3", "megatron", "megatron-dp"):
+        assert r["cut_params"] > 0, r["cut_params"]
     for step, sent in enumerate(r["sent"]):
         assert sent == pytest.approx(r["predicted"]), (step, sent, r["predicted"])
     report_line(f"runtime {world} ranks {case_key(case).replace('/None', '')}: mesh {r['mesh']}, bytes/step "
