@@ -32,7 +32,7 @@ from autopar.trace import graph_fingerprint, trace
 from . import collectives as C
 from .fsdp import fsdp_gather, regather_saved_weights
 from .grad_buckets import GradBuckets
-from .shard_info import ShardInfo
+from .shard_info import ShardInfo, tag_parameters
 
 __all__ = ["parallelize", "ParallelModule"]
 
@@ -180,8 +180,10 @@ class ParallelModule(nn.Module):
             layout = self._strategies[node.name].output if node.name in self._strategies else None
             cuts = () if layout is None else tuple((a, c) for a, c in enumerate(layout.codes) if c >= 0)
             tied = first.setdefault(id(local), target)
-            out.append(ShardInfo(target, local, is_param, tuple(node.meta["val"].shape), cuts,
-                                 tuple(sorted(self._zero2.get(node.name, ()))), None if tied == target else tied))
+            zero2 = tuple(sorted(self._zero2.get(node.name, ())))
+            split = sorted({a for a, _ in cuts} | set(zero2))
+            out.append(ShardInfo(target, local, is_param, tuple(node.meta["val"].shape), cuts, zero2,
+                                 None if tied == target else tied, tuple(self._groups[a].group for a in split)))
         return out
 
     def axis_group(self, axis: int):
@@ -374,6 +376,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
     # Gradient all-reduces the lowering left out run bucketed and overlapped (runtime/grad_buckets.py).
     pm.__dict__["_grad_buckets"] = GradBuckets([(root.get_parameter(t), tuple(C._g(k) for k in keys))
                                                 for t, keys in program.meta[DEFERRED_KEY].items()])
+    tag_parameters(pm.shards())  # optimizers that need whole-tensor norms read each Parameter's cut
     return pm
 
 
