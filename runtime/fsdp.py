@@ -42,9 +42,14 @@ __all__ = ["fsdp_gather", "regather_saved_weights"]
 _GATHERED: dict[int, tuple] = {}
 
 
-# torch 2.13 renamed these; 2.11 has only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed these; 2.11 has only the old names. Looked up at each call (not bound at
+# import), so whatever wraps torch.distributed (a profiler, the tests' byte spy) sees the call.
+def _all_gather_single(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 class _Gather:

@@ -13,6 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from byte_spy import ByteSpy
 
 STEPS = 3
 LR = 1e-3
@@ -169,19 +170,21 @@ def run_case(name: str, family: str, mesh: str | None, options: dict | None = No
         inputs = tuple(x if sl is None else x[sl].clone() for x, sl in zip(inputs, pm.input_slices()))
     unknown_ops = sorted({str(w.message) for w in caught if w.category.__name__ == "UnknownOpWarning"})
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    losses, sent_per_step, grads = [], [], None
+    losses, sent_per_step, spied_per_step, grads = [], [], [], None
     for step in range(STEPS):
-        with count_bytes() as sent:
+        with count_bytes() as sent, ByteSpy() as spy:
             loss = pm(*inputs, local_inputs=local_inputs)
             loss.backward()
         if step == 0:
             grads = pm.full_grads()
         losses.append(loss.item())
         sent_per_step.append(dict(sent))
+        spied_per_step.append(spy.sent)
         opt.step()
         opt.zero_grad()
     mismatched = [m for ms in _all_ranks(_shard_mismatches(pm)) for m in ms]
     return dict(losses=losses, grads=grads, params=pm.full_state_dict(), sent=sent_per_step,
+                sent_by_rank=_all_ranks(sent_per_step), spied_by_rank=_all_ranks(spied_per_step),
                 shard_mismatches=mismatched, cut_params=sum(1 for s in pm.shards() if s.is_param and s.split_axes),
                 predicted=dict(pm.plan.comm_bytes), mesh=str(pm.plan.mesh), unknown_ops=unknown_ops,
                 strategies={n.name: n.strategy for n in pm.plan.nodes},

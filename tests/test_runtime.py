@@ -18,13 +18,18 @@ from dist_cases import EPS, LR, STEPS, build, case_key  # noqa: E402
 # budget, replicating everything is fastest for models this small, and nothing is sent).
 TIGHT = {"memory_budget_bytes": 2e6}
 FAMILIES = ("dp", "zero2", "zero3", "megatron", "megatron-dp")
+# Unconstrained, the planner replicates models this small on 4 devices (nothing sent: such a
+# case would test nothing). Each budget is under the replicated peak, so the planner must shard;
+# gpt-tiny and bert-tiny also run at two budgets (3 MB: partly sharded, 2 MB: more).
+AUTO_BUDGETS = [("mlp", 1e5), ("gpt-tiny", 3e6), ("gpt-tiny", 2e6), ("bert-tiny", 3e6), ("bert-tiny", 2e6)]
 CASES_BY_WORLD = {
     2: [("mlp", "dp", None), ("gpt-tiny", "megatron", None), ("bert-tiny", "zero3", None), ("bert-tiny", "zero2", None),
         ("hf-gpt2-tiny", "auto", None, {"memory_budget_bytes": 3e6}), ("mlp-customop", "megatron", None),
         ("hf-gpt2-tiny", "auto", None, {"memory_budget_bytes": 1e6})],  # infeasible: every rank must hear
-    4: [(m, f, None) for m in ("mlp", "gpt-tiny", "bert-tiny", "hf-gpt2-tiny") for f in FAMILIES + ("auto",)]
-       + [("gpt-tiny", "auto", None, TIGHT), ("bert-tiny", "auto", None, TIGHT),
-          ("mlp-customop", "megatron", None), ("mlp-customop", "auto", None),
+    4: [(m, f, None) for m in ("mlp", "gpt-tiny", "bert-tiny", "hf-gpt2-tiny") for f in FAMILIES]
+       + [(m, "auto", None, {"memory_budget_bytes": b}) for m, b in AUTO_BUDGETS]
+       + [("hf-gpt2-tiny", "auto", None),
+          ("mlp-customop", "megatron", None), ("mlp-customop", "auto", None, {"memory_budget_bytes": 4e4}),
           ("gpt-tiny", "megatron-dp", None, {"local_inputs": 1}),
           ("mlp", "refuse-other-model", None), ("gpt-tiny", "refuse-other-world", None),
           ("local-outputs", "dp", None)],
@@ -92,6 +97,15 @@ def assert_matches_single_process(r: dict, name: str) -> None:
             torch.testing.assert_close(r["params"][k], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"param {k}: {m}")
 
 
+def assert_every_rank_sends_as_counted(r: dict) -> None:
+    """On every rank and step, autopar's counter equals the plan's prediction and an independent
+    spy on the torch.distributed calls themselves (tests/byte_spy.py, no autopar code)."""
+    for rank, (sent_steps, spied_steps) in enumerate(zip(r["sent_by_rank"], r["spied_by_rank"])):
+        for step, (sent, spied) in enumerate(zip(sent_steps, spied_steps)):
+            assert sent == pytest.approx(r["predicted"]), (rank, step, sent, r["predicted"])
+            assert spied == pytest.approx(sent), (rank, step, spied, sent)
+
+
 def _id(world_case) -> str:
     world, case = world_case
     return f"{world}ranks/" + case_key(case).replace("/None", "")
@@ -126,6 +140,9 @@ def test_parallel_run_equals_single_process_and_bytes_match_plan(launch, world_c
         assert r["cut_params"] > 0, r["cut_params"]
     for step, sent in enumerate(r["sent"]):
         assert sent == pytest.approx(r["predicted"]), (step, sent, r["predicted"])
+    assert_every_rank_sends_as_counted(r)
+    if family == "auto":  # the planner's own plan must parallelize something, or the case tests nothing
+        assert r["cut_params"] > 0 or sum(r["predicted"].values()) > 0, r["strategies"]
     report_line(f"runtime {world} ranks {case_key(case).replace('/None', '')}: mesh {r['mesh']}, bytes/step "
                 f"{sum(r['predicted'].values()):,.0f} (measured = predicted), loss {r['losses'][-1]:.6f}")
 
