@@ -8,12 +8,14 @@ them; the test compares them with a single-process run of the same model.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 from byte_spy import ByteSpy
+from torch.utils.flop_counter import FlopCounterMode
 
 STEPS = 3
 LR = 1e-3
@@ -144,6 +146,15 @@ def _shard_mismatches(pm) -> list[str]:
     return bad
 
 
+def _single_flops(name: str) -> int:
+    """Matmul/attention FLOPs of one forward and backward of the whole model in one process
+    (torch's FlopCounterMode): what the ranks' FLOPs are compared with."""
+    model, inputs = build(name)
+    with FlopCounterMode(display=False) as counter:
+        model(*inputs).backward()
+    return counter.get_total_flops()
+
+
 def _all_ranks(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -171,8 +182,9 @@ def run_case(name: str, family: str, mesh: str | None, options: dict | None = No
     unknown_ops = sorted({str(w.message) for w in caught if w.category.__name__ == "UnknownOpWarning"})
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     losses, sent_per_step, spied_per_step, grads = [], [], [], None
+    flops = FlopCounterMode(display=False)
     for step in range(STEPS):
-        with count_bytes() as sent, ByteSpy() as spy:
+        with count_bytes() as sent, ByteSpy() as spy, (flops if step == 0 else contextlib.nullcontext()):
             loss = pm(*inputs, local_inputs=local_inputs)
             loss.backward()
         if step == 0:
@@ -185,6 +197,7 @@ def run_case(name: str, family: str, mesh: str | None, options: dict | None = No
     mismatched = [m for ms in _all_ranks(_shard_mismatches(pm)) for m in ms]
     return dict(losses=losses, grads=grads, params=pm.full_state_dict(), sent=sent_per_step,
                 sent_by_rank=_all_ranks(sent_per_step), spied_by_rank=_all_ranks(spied_per_step),
+                flops_by_rank=_all_ranks(flops.get_total_flops()), single_flops=_single_flops(name),
                 shard_mismatches=mismatched, cut_params=sum(1 for s in pm.shards() if s.is_param and s.split_axes),
                 predicted=dict(pm.plan.comm_bytes), mesh=str(pm.plan.mesh), unknown_ops=unknown_ops,
                 strategies={n.name: n.strategy for n in pm.plan.nodes},

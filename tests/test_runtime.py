@@ -106,6 +106,21 @@ def assert_every_rank_sends_as_counted(r: dict) -> None:
             assert spied == pytest.approx(sent), (rank, step, spied, sent)
 
 
+def assert_compute_is_split(r: dict, family: str, world: int) -> None:
+    """Each rank's matmul FLOPs (torch's FlopCounterMode, step 0) against one process's: data
+    parallel families compute exactly 1/world of the batch (a skipped input slice computes all
+    of it and fails here, though losses and bytes would still match); tensor parallel families
+    split the layers; every plan that shards computes less than one process on some rank."""
+    single, ranks = r["single_flops"], r["flops_by_rank"]
+    assert single > 0 and len(ranks) == world
+    if family in ("dp", "zero2", "zero3"):
+        assert all(f == single // world for f in ranks), (ranks, single)
+    elif family in ("megatron", "megatron-dp", "2d", "2.5d", "3d", "megatron-sp", "ulysses", "ring"):
+        assert max(ranks) <= single / world * 1.25, (ranks, single)
+    else:
+        assert min(ranks) < single, (ranks, single)
+
+
 def _id(world_case) -> str:
     world, case = world_case
     return f"{world}ranks/" + case_key(case).replace("/None", "")
@@ -141,6 +156,7 @@ def test_parallel_run_equals_single_process_and_bytes_match_plan(launch, world_c
     for step, sent in enumerate(r["sent"]):
         assert sent == pytest.approx(r["predicted"]), (step, sent, r["predicted"])
     assert_every_rank_sends_as_counted(r)
+    assert_compute_is_split(r, family, world)
     if family == "auto":  # the planner's own plan must parallelize something, or the case tests nothing
         assert r["cut_params"] > 0 or sum(r["predicted"].values()) > 0, r["strategies"]
     report_line(f"runtime {world} ranks {case_key(case).replace('/None', '')}: mesh {r['mesh']}, bytes/step "

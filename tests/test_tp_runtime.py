@@ -12,7 +12,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_cases import build, case_key  # noqa: E402
-from test_runtime import _id, _launch, assert_matches_single_process  # noqa: E402
+from test_runtime import (_id, _launch, assert_compute_is_split, assert_every_rank_sends_as_counted,  # noqa: E402
+                          assert_matches_single_process)
 
 LONG_SEQ_BUDGET = 4.2e6  # bytes per device: fits with the sequence split, not without (see below)
 SUMMA_BUDGET = 0.95e6  # 2D under this budget runs linear layers by SUMMA's panel loop
@@ -58,6 +59,11 @@ def test_layout_runs_equal_single_process_and_bytes_match(launch, world_case, re
     assert_matches_single_process(r, name)
     for step, sent in enumerate(r["sent"]):
         assert sent == pytest.approx(r["predicted"]), (step, sent, r["predicted"])
+    assert_every_rank_sends_as_counted(r)
+    assert not r["shard_mismatches"], r["shard_mismatches"][:5]  # each rank's pieces are the plan's
+    if family in ("2d", "2.5d", "3d", "megatron-sp"):  # weights stored split
+        assert r["cut_params"] > 0
+    assert_compute_is_split(r, family, world)
     plan = _plan(case, world)
     assert str(plan.mesh) == r["mesh"] and plan.comm_bytes == pytest.approx(r["predicted"])
     kind = layout_kind(plan)
