@@ -278,7 +278,10 @@ def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: Traini
     if n_blocks < 3:
         return None
     batch = _global_batch(gm)
-    pieces = split_stages(gm, (1, n_blocks - 2, 1))
+    try:
+        pieces = split_stages(gm, (1, n_blocks - 2, 1))
+    except AutoparError:  # a model the stage cut cannot run (weights tied across stages): no pipeline
+        return None
     pps = [pp] if pp else [d for d in range(2, n_blocks + 1) if n_gpus % d == 0 and n_gpus // d >= 1]
     best: PipelineChoice | None = None
     for p in pps:

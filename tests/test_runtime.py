@@ -115,8 +115,10 @@ def assert_compute_is_split(r: dict, family: str, world: int) -> None:
     assert single > 0 and len(ranks) == world
     if family in ("dp", "zero2", "zero3"):
         assert all(f == single // world for f in ranks), (ranks, single)
-    elif family in ("megatron", "megatron-dp", "2d", "2.5d", "3d", "megatron-sp", "ulysses", "ring"):
+    elif family in ("megatron", "megatron-dp", "megatron-sp"):
         assert max(ranks) <= single / world * 1.25, (ranks, single)
+    elif family in ("2d", "2.5d", "3d", "ulysses", "ring"):  # embeddings and head are the ILP's (some kept whole)
+        assert max(ranks) <= single / world * 1.5, (ranks, single)
     else:
         assert min(ranks) < single, (ranks, single)
 
