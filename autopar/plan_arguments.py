@@ -12,7 +12,7 @@ from .errors import BadArgumentError
 __all__ = ["check_plan_arguments"]
 
 
-def check_plan_arguments(model: Any, n_gpus: Any, memory_budget_bytes: Any) -> None:
+def check_plan_arguments(model: Any, n_gpus: Any, memory_budget_bytes: Any, model_name: str | None = None) -> None:
     """Raise :class:`BadArgumentError` for a device count, memory budget or model autopar cannot plan."""
     # bool is an int to Python, but plan(model, True) is a slip, not one device
     if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
@@ -28,5 +28,5 @@ def check_plan_arguments(model: Any, n_gpus: Any, memory_budget_bytes: Any) -> N
                                "object (e.g. model, inputs = autopar.models.get_model('gpt2'))")
     if next(iter(model.parameters()), None) is None:
         raise BadArgumentError(
-            f"{type(model).__name__} has no parameters, so there is nothing to shard or train; layers kept in a "
+            f"{model_name or type(model).__name__} has no parameters, so there is nothing to shard or train; layers kept in a "
             "plain Python list or dict are not registered: hold them in nn.ModuleList / nn.ModuleDict")

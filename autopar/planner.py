@@ -336,7 +336,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     ``pipeline=False`` keeps ``auto`` from choosing pipeline stages (``autopar.pipeline_search``).
     """
     t0 = _T0[0] = time.perf_counter()
-    check_plan_arguments(model, n_gpus, memory_budget_bytes)
+    check_plan_arguments(model, n_gpus, memory_budget_bytes, model_name)
     hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
     if strategy not in STRATEGY_FAMILIES:
         raise AutoparError(f"unknown strategy {strategy!r}; pick one of {', '.join(STRATEGY_FAMILIES)}")

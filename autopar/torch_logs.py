@@ -47,7 +47,8 @@ class HeldLogs:
     def summary(self) -> str:
         """`` (torch also logged 1 error, 14 printed lines, held back, the first: '...'; set TORCH_LOGS=...)``,
         or ``""`` when nothing at warning level or above was held."""
-        loud = [r for _, r in self.records if r.levelno >= logging.WARNING]
+        unique = {id(r): r for _, r in self.records}  # a record meant for two handlers counts once
+        loud = [r for r in unique.values() if r.levelno >= logging.WARNING]
         printed = len([line for line in self.stderr.getvalue().splitlines() if line.strip()])
         parts = [f"{n} {word}{'s' if n != 1 else ''}" for n, word in (
             (sum(1 for r in loud if r.levelno >= logging.ERROR), "error"),
