@@ -316,6 +316,24 @@ def in_files(files, monkeypatch) -> str:
         del sys.modules[name]
 
 
+@pytest.fixture
+def stderr_as_in_a_process(capfd):
+    """torch's log handlers write to the object that was ``sys.stderr`` when torch was imported
+    (pytest's own capture, here): point them at the captured stderr for the row, as it is in a
+    user's process, so that torch's log lines count against the row."""
+    import logging
+
+    loggers = [logging.getLogger("torch")] + [lg for name, lg in list(logging.Logger.manager.loggerDict.items())
+                                              if name.startswith("torch.") and isinstance(lg, logging.Logger)]
+    handlers = {id(h): h for lg in loggers for h in lg.handlers if type(h) is logging.StreamHandler}.values()
+    saved = [(h, h.stream) for h in handlers]
+    for h, _ in saved:  # (not setStream: it flushes the old stream, which pytest may have closed)
+        h.stream = sys.stderr
+    yield capfd
+    for h, stream in saved:
+        h.stream = stream
+
+
 def _run_cli(argv: list[str]) -> int:
     from autopar.cli import main
 
@@ -326,7 +344,8 @@ def _run_cli(argv: list[str]) -> int:
 
 
 @pytest.mark.parametrize("row", CLI_ROWS, ids=[r.name for r in CLI_ROWS])
-def test_cli_bad_input_is_one_clear_error(row: Cli, in_files, capfd):
+def test_cli_bad_input_is_one_clear_error(row: Cli, in_files, stderr_as_in_a_process):
+    capfd = stderr_as_in_a_process
     code = _run_cli(row.argv.format(files=in_files).split())
     out, err = capfd.readouterr()
     lines = err.strip().splitlines()
@@ -351,7 +370,8 @@ def process_group(tmp_path):
 
 
 @pytest.mark.parametrize("row", API_ROWS, ids=[r.name for r in API_ROWS])
-def test_api_bad_input_raises_a_clear_error_and_changes_nothing(row: Api, in_files, request, capfd):
+def test_api_bad_input_raises_a_clear_error_and_changes_nothing(row: Api, in_files, request, stderr_as_in_a_process):
+    capfd = stderr_as_in_a_process
     if row.pg:
         request.getfixturevalue("process_group")
     else:
