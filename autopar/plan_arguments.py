@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from torch import nn
@@ -19,7 +20,7 @@ def check_plan_arguments(model: Any, n_gpus: Any, memory_budget_bytes: Any, mode
         raise BadArgumentError(f"n_gpus must be a positive integer, got {n_gpus!r}; pass the number of devices, "
                                "e.g. autopar.plan(model, 8, example_inputs)")
     if memory_budget_bytes is not None:
-        if (isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, (int, float))
+        if (isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, numbers.Real)
                 or not math.isfinite(memory_budget_bytes) or memory_budget_bytes <= 0):
             raise BadArgumentError(f"memory_budget_bytes must be a positive number of bytes, got "
                                    f"{memory_budget_bytes!r}; e.g. 40e9 (or leave it None: the device's memory)")
