@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,7 +151,9 @@ class Plan:
 
     @classmethod
     def from_json(cls, text_or_path: str) -> "Plan":
-        """Read a plan from a JSON string or a path to a JSON file."""
+        """Read a plan from a JSON string or a path to a JSON file (``str`` or ``os.PathLike``)."""
+        if isinstance(text_or_path, os.PathLike):
+            text_or_path = os.fspath(text_or_path)
         if not isinstance(text_or_path, str) or not text_or_path.strip():
             raise PlanFormatError(f"Plan.from_json needs a JSON string or a file path, got {text_or_path!r}; "
                                   "pass what Plan.to_json wrote (or autopar plan --json PATH)")

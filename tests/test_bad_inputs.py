@@ -20,6 +20,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -253,6 +254,10 @@ API_ROWS = [
         "Plan.to_json"),
     Api("Plan.from_json: missing file", lambda c: autopar.Plan.from_json(c.file("nosuch.json")), PlanFormatError,
         "nosuch.json", "the path that", cause=FileNotFoundError),
+    Api("Plan.from_json: not a string or path", lambda c: autopar.Plan.from_json(42), PlanFormatError, "got 42",
+        "Plan.to_json"),
+    Api("Plan.from_json: missing file as a Path", lambda c: autopar.Plan.from_json(Path(c.file("gone.json"))),
+        PlanFormatError, "gone.json", "the path that", cause=FileNotFoundError),
     Api("Plan.from_json: missing fields", lambda c: autopar.Plan.from_json('{"format_version": 1}'), PlanFormatError,
         "'mesh'", "Plan.to_json", cause=KeyError),
     Api("Plan.from_json: other format version", lambda c: autopar.Plan.from_json(c.file("plan_v99.json")),
