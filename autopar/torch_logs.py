@@ -71,14 +71,16 @@ class HeldLogs:
 
 
 def _torch_handlers() -> list[logging.Handler]:
-    """The handlers on torch's loggers (torch installs its own and stops propagation)."""
+    """The console handlers on torch's loggers (torch installs its own and stops propagation).
+    File and structured-trace handlers (TORCH_LOGS_OUT, TORCH_TRACE) were asked for: left alone."""
     loggers = [logging.getLogger("torch")] + [
         lg for name, lg in list(logging.Logger.manager.loggerDict.items())
         if name.startswith("torch.") and isinstance(lg, logging.Logger)]
     seen: dict[int, logging.Handler] = {}
     for lg in loggers:
         for handler in lg.handlers:
-            seen.setdefault(id(handler), handler)
+            if type(handler) is logging.StreamHandler:
+                seen.setdefault(id(handler), handler)
     return list(seen.values())
 
 

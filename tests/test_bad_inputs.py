@@ -453,30 +453,23 @@ def test_accepted_edge_cases_still_work(in_files, process_group):
 def test_torch_logs_are_held_only_while_tracing_and_given_back_on_success(capfd):
     """Held records reach the handler they were meant for on release (nothing lost), printed text
     reaches stderr, and the handler is torch's own again afterwards."""
+    import io
     import logging
 
     from autopar.torch_logs import hold_torch_logs
 
-    class Keep(logging.Handler):
-        def __init__(self):
-            super().__init__()
-            self.messages = []
-
-        def emit(self, record):
-            self.messages.append(record.getMessage())
-
-    torch_log, keep = logging.getLogger("torch.export"), Keep()
+    torch_log, keep = logging.getLogger("torch.export"), logging.StreamHandler(io.StringIO())  # a console handler
     torch_log.addHandler(keep)
     try:
         with hold_torch_logs() as held:
             torch_log.warning("autopar-test: held warning")
             print("autopar-test: held print", file=sys.stderr)
-            assert keep.messages == [] and "autopar-test" not in capfd.readouterr().err
+            assert keep.stream.getvalue() == "" and "autopar-test" not in capfd.readouterr().err
         assert "1 warning, 1 printed line" in held.summary() and "held warning" in held.summary()
         held.release()
-        assert keep.messages == ["autopar-test: held warning"]
+        assert keep.stream.getvalue() == "autopar-test: held warning\n"
         assert "autopar-test: held print" in capfd.readouterr().err
         torch_log.warning("autopar-test: after")
-        assert keep.messages[-1] == "autopar-test: after"
+        assert keep.stream.getvalue().endswith("autopar-test: after\n")
     finally:
         torch_log.removeHandler(keep)
