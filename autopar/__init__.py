@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from .errors import AutoparError, TraceError
+from .errors import AutoparError, BadArgumentError, TraceError
 from .mesh import Link, MeshError, MeshSpec
 from .strategy import Cost, Layout, Strategy
 from .trace import trace
@@ -18,6 +18,6 @@ from .planner import plan
 
 __all__ = [
     "trace", "annotate", "plan", "Plan", "MeshSpec", "Link", "Layout", "Strategy", "Cost", "register_rule", "temporary_rule",
-    "AutoparError", "TraceError", "MeshError", "UnknownOpWarning", "STRATEGIES_KEY", "FALLBACK_KEY",
+    "AutoparError", "BadArgumentError", "TraceError", "MeshError", "UnknownOpWarning", "STRATEGIES_KEY", "FALLBACK_KEY",
 ]
 __version__ = "0.1.0"

@@ -425,7 +425,8 @@ def calibrate(out: str | None = None, *, nproc: int | None = None, quick: bool =
     else:
         nproc = nproc if nproc is not None else (torch.cuda.device_count() if cuda else DEFAULT_CPU_RANKS)
         if nproc < 1 or (cuda and nproc > torch.cuda.device_count()):
-            raise CalibrationError(f"--nproc {nproc}: need 1 to {torch.cuda.device_count() if cuda else 'any'} ranks")
+            most = f" and at most {torch.cuda.device_count()} (the CUDA devices)" if cuda else ""
+            raise CalibrationError(f"--nproc {nproc}: need at least 1 rank{most}; pass e.g. --nproc 4")
         if nproc == 1:
             if base is None:
                 raise CalibrationError("one rank cannot measure a link; use --nproc 2 or more, or copy the links "

@@ -14,21 +14,71 @@ import sys
 import time
 from typing import Sequence
 
+from .errors import AutoparError, BadArgumentError
+
 __all__ = ["main"]
 
 
 def _load_model(spec: str, batch_size: int | None, seq_len: int | None, device: str):
     """A zoo name, or ``package.module:factory`` returning (model, example_inputs)."""
-    if ":" in spec:
-        import importlib
+    if ":" not in spec:
+        from .models import get_model
 
-        module_name, _, attr = spec.partition(":")
-        factory = getattr(importlib.import_module(module_name), attr)
-        kwargs = {k: v for k, v in (("batch_size", batch_size), ("seq_len", seq_len)) if v is not None}
-        return factory(**kwargs)
-    from .models import get_model
+        return get_model(spec, batch_size=batch_size, seq_len=seq_len, device=device)
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr.isidentifier():
+        raise BadArgumentError(f"cannot read model factory {spec!r}; write it as package.module:function, "
+                               "e.g. mypkg.models:build")
+    factory = getattr(_import_factory_module(module_name, spec), attr, None)
+    if not callable(factory):
+        raise BadArgumentError(f"module {module_name!r} has no function {attr!r} (from {spec!r}); name a function "
+                               "that returns (model, example_inputs)")
+    kwargs = {k: v for k, v in (("batch_size", batch_size), ("seq_len", seq_len)) if v is not None}
+    try:
+        built = factory(**kwargs)
+    except Exception as exc:  # the user's code failed: say whose, keep the cause for debugging
+        raise BadArgumentError(f"model factory {spec}({', '.join(f'{k}={v}' for k, v in kwargs.items())}) raised "
+                               f"{type(exc).__name__}: {exc}; fix the factory (run it in Python to debug it)") from exc
+    import torch
 
-    return get_model(spec, batch_size=batch_size, seq_len=seq_len, device=device)
+    if (not isinstance(built, (tuple, list)) or len(built) != 2 or not isinstance(built[0], torch.nn.Module)
+            or not isinstance(built[1], (tuple, list, torch.Tensor))):
+        raise BadArgumentError(f"model factory {spec} returned {_fmt_shape(built)[:80]}; it must return "
+                               "(model, example_inputs): an nn.Module and a tuple of its forward() inputs")
+    return built
+
+
+def _import_factory_module(module_name: str, spec: str):
+    """Import the factory's module from the installed packages or the current directory (a
+    console script's path does not hold the current directory; ``python -m`` does)."""
+    import importlib
+    import os
+
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BadArgumentError(f"cannot import module {module_name!r} for model factory {spec!r}: {exc}; check "
+                               "the spelling, and run from the directory holding the package or add it to "
+                               "PYTHONPATH") from exc
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def _writable(path: str | None, option: str) -> None:
+    """Fail before minutes of work, not after, when an output path cannot be written."""
+    import os
+
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or os.path.isdir(path) or not os.access(folder, os.W_OK):
+        raise BadArgumentError(f"{option} {path}: cannot write there (folder {folder!r} does not exist or is not "
+                               "writable, or the path is a folder); pick a file path in an existing folder")
 
 
 def _cmd_zoo(args: argparse.Namespace) -> int:
@@ -56,11 +106,11 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     from . import FALLBACK_KEY, STRATEGIES_KEY, MeshSpec, annotate, trace
     from .passes.rules import op_name
 
+    mesh = MeshSpec.parse(args.mesh)
     t0 = time.perf_counter()
     model, example_inputs = _load_model(args.model, args.batch, args.seq, args.device)
     gm = trace(model, example_inputs)
     t1 = time.perf_counter()
-    mesh = MeshSpec.parse(args.mesh)
     annotate(gm, mesh)
     t2 = time.perf_counter()
     nodes = list(gm.graph.nodes)
@@ -89,10 +139,18 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mesh_shape(text: str, whole: str) -> tuple[int, ...]:
+    sizes = text.strip().split("x")
+    if not all(x.isdigit() and int(x) >= 1 for x in sizes):
+        raise BadArgumentError(f"--meshes {whole}: cannot read mesh shape {text!r}; write shapes as sizes joined by "
+                               "x, separated by commas, e.g. 2,2x2,2x2x2")
+    return tuple(int(x) for x in sizes)
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from .passes.validate import validate_rules
 
-    shapes = [tuple(int(s) for s in m.split("x")) for m in args.meshes.split(",")]
+    shapes = [_mesh_shape(m, args.meshes) for m in args.meshes.split(",")]
     t0 = time.perf_counter()
     report = validate_rules(shapes)
     for failure in report.failures:
@@ -104,19 +162,30 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _parse_bytes(text: str) -> float:
     import re
 
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"cannot read memory size {text!r}; write e.g. 40GB or 512MiB")
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
+    value = float(m.group(1)) if m else 0.0
+    if not m or value <= 0:
+        raise BadArgumentError(f"--memory-budget {text}: cannot read a positive memory size; write e.g. 40GB or 512MiB")
     unit = m.group(2).upper().rstrip("B").rstrip("I")
-    return float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit]
+    return value * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit]
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .planner import plan
+    from .cost_model.hardware import get_hardware
+    from .mesh import MeshSpec
+    from .planner import STRATEGY_FAMILIES, plan
     from .report import format_report
 
+    # options first: a typo should not cost a model build and a trace
+    if args.mesh is not None:
+        MeshSpec.parse(args.mesh, args.gpus)
+    get_hardware(args.hardware)
+    if args.strategy not in STRATEGY_FAMILIES:
+        raise BadArgumentError(f"--strategy {args.strategy}: unknown strategy; pick one of {', '.join(STRATEGY_FAMILIES)}")
+    budget = _parse_bytes(args.memory_budget) if args.memory_budget is not None else None
+    _writable(args.json, "--json")
+    _writable(args.html, "--html")
     model, example_inputs = _load_model(args.model, args.batch, args.seq, "meta")
-    budget = _parse_bytes(args.memory_budget) if args.memory_budget else None
     result = plan(model, args.gpus, example_inputs, hardware=args.hardware, mesh=args.mesh,
                   strategy=args.strategy, memory_budget_bytes=budget, optimizer=args.optimizer,
                   model_name=args.model, progress=not args.quiet, baselines=not args.no_baselines)
@@ -137,6 +206,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     from .calibrate import calibrate, calibration_to_dict, format_summary
 
+    _writable(args.out, "--out")
+    _writable(args.measurements, "--measurements")
     cal = calibrate(args.out, nproc=args.nproc, quick=args.quick, name=args.name, links_from=args.links_from,
                     device=args.device, progress=not args.quiet)
     if cal is None:  # a torchrun rank other than 0
@@ -161,18 +232,38 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return _cmd_plan(ns)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad option is one line naming the fix, not the whole usage block."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def _count(minimum: int):
+    """An argparse type: an integer >= minimum, with an error that says so."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autopar", description="Auto-parallelization for PyTorch models.")
+    parser = _Parser(prog="autopar", description="Auto-parallelization for PyTorch models.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("zoo", help="list the model zoo").set_defaults(fn=_cmd_zoo)
     p = sub.add_parser("trace", help="trace a model and print its annotated graph")
     p.add_argument("model", help="zoo name (see `autopar zoo`) or package.module:factory")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default: the zoo entry's)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the zoo entry's)")
+    p.add_argument("--batch", type=_count(1), default=None, help="batch size (default: the zoo entry's)")
+    p.add_argument("--seq", type=_count(1), default=None, help="sequence length (default: the zoo entry's)")
     p.add_argument("--mesh", default="dp=2,tp=4", help="mesh axes, e.g. dp=2,tp=4 (default)")
     p.add_argument("--device", default="meta", help="device to build zoo models on (default meta: no memory)")
-    p.add_argument("--limit", type=int, default=60, help="nodes to print (0: all)")
-    p.add_argument("--examples", type=int, default=3, help="strategies to show per node")
+    p.add_argument("--limit", type=_count(0), default=60, help="nodes to print (0: all)")
+    p.add_argument("--examples", type=_count(0), default=3, help="strategies to show per node")
     p.add_argument("--params", action="store_true", help="also list parameter and buffer nodes")
     p.set_defaults(fn=_cmd_trace)
     p = sub.add_parser("validate", help="check every sharding rule against the unsharded op")
@@ -180,9 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_validate)
     p = sub.add_parser("plan", help="choose a parallel training plan and print the report")
     p.add_argument("model", help="zoo name (see `autopar zoo`) or package.module:factory")
-    p.add_argument("--gpus", type=int, required=True, help="number of devices")
-    p.add_argument("--batch", type=int, default=None, help="global batch size (default: the zoo entry's)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the zoo entry's)")
+    p.add_argument("--gpus", type=_count(1), required=True, help="number of devices")
+    p.add_argument("--batch", type=_count(1), default=None, help="global batch size (default: the zoo entry's)")
+    p.add_argument("--seq", type=_count(1), default=None, help="sequence length (default: the zoo entry's)")
     p.add_argument("--hardware", default="a100-80gb", help="profile name or JSON path (default a100-80gb)")
     p.add_argument("--mesh", default=None, help="pin the mesh, e.g. dp=2,tp=4")
     p.add_argument("--strategy", default="auto",
@@ -200,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "latency/bandwidth on local ranks (or under torchrun) and write a profile "
                                    "that `autopar plan --hardware PATH` reads.")
     p.add_argument("--out", default=None, help="write the profile JSON here (default: print it)")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=_count(1), default=None,
                    help="local ranks to spawn when not under torchrun (default: CUDA devices, or 4 on CPU)")
     p.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing windows (rougher; for tests)")
     p.add_argument("--name", default=None, help="profile name (default calibrated-<device>)")
@@ -216,12 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .errors import AutoparError
-    from .mesh import MeshError
-
     try:
         return args.fn(args)
-    except (AutoparError, MeshError, KeyError, ValueError) as exc:
+    except (AutoparError, KeyError, ValueError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"autopar: error: {message}", file=sys.stderr)
         return 2

@@ -1,8 +1,8 @@
-"""Errors autopar raises for bad input: each names the problem and the fix."""
+"""Errors autopar raises for bad input: each names the problem, the value and the fix."""
 
 from __future__ import annotations
 
-__all__ = ["AutoparError", "TraceError"]
+__all__ = ["AutoparError", "TraceError", "BadArgumentError"]
 
 
 class AutoparError(Exception):
@@ -11,6 +11,10 @@ class AutoparError(Exception):
 
 class TraceError(AutoparError):
     """The model could not be traced into a graph."""
+
+
+class BadArgumentError(AutoparError, ValueError):
+    """An argument of an autopar call (or a CLI option) has the wrong type or is out of range."""
 
 
 def format_bytes(n: float) -> str:

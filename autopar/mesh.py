@@ -10,10 +10,12 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from .errors import AutoparError
+
 __all__ = ["Link", "MeshSpec", "MeshError"]
 
 
-class MeshError(ValueError):
+class MeshError(AutoparError, ValueError):
     """A mesh description that is malformed or does not match the device count."""
 
 

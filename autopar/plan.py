@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,22 +151,36 @@ class Plan:
 
     @classmethod
     def from_json(cls, text_or_path: str) -> "Plan":
-        """Read a plan from a JSON string or a path to a JSON file."""
+        """Read a plan from a JSON string or a path to a JSON file (``str`` or ``os.PathLike``)."""
+        if isinstance(text_or_path, os.PathLike):
+            text_or_path = os.fspath(text_or_path)
+        if not isinstance(text_or_path, str) or not text_or_path.strip():
+            raise PlanFormatError(f"Plan.from_json needs a JSON string or a file path, got {text_or_path!r}; "
+                                  "pass what Plan.to_json wrote (or autopar plan --json PATH)")
         text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
+        if not text_or_path.lstrip().startswith(("{", "[")):
             try:
-                with open(text_or_path) as f:
+                with open(text_or_path, encoding="utf-8") as f:
                     text = f.read()
-            except OSError as exc:
-                raise PlanFormatError(f"cannot read plan file {text_or_path!r}: {exc.strerror}") from None
+            except (OSError, UnicodeDecodeError) as exc:
+                why = exc.strerror if isinstance(exc, OSError) else "not a UTF-8 text file"
+                raise PlanFormatError(f"cannot read plan file {text_or_path!r}: {why}; pass the path that "
+                                      "Plan.to_json or autopar plan --json wrote") from exc
         try:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise PlanFormatError(f"plan is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+            cut = " (the text ends before the plan does: truncated?)" if not text.rstrip().endswith("}") else ""
+            raise PlanFormatError(f"plan is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}{cut}; "
+                                  "write plans with Plan.to_json or autopar plan --json, and re-plan if the file "
+                                  "was truncated or edited") from exc
+        if not isinstance(d, dict):
+            raise PlanFormatError(f"a plan is a JSON object, got a JSON {type(d).__name__}; write plans with "
+                                  "Plan.to_json")
         try:
             return cls._from_dict(d)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PlanFormatError(f"malformed plan: missing or bad field {exc}; write plans with Plan.to_json") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PlanFormatError(f"malformed plan: missing or bad field {exc}; write plans with Plan.to_json "
+                                  "(and re-plan: a plan file is not meant to be edited)") from exc
 
     @classmethod
     def _from_dict(cls, d: dict[str, Any]) -> "Plan":

@@ -33,6 +33,7 @@ from .cost_model.hardware import Hardware, get_hardware
 from .cost_model.ilp import InfeasibleBudgetError, SolveResult, solve
 from .cost_model.problem import PinError, Problem, build_problem
 from .errors import AutoparError, format_bytes
+from .plan_arguments import check_plan_arguments
 from .mesh import MeshSpec
 from .passes.annotate import annotate
 from .passes.rules import tensor_leaves
@@ -335,8 +336,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     ``pipeline=False`` keeps ``auto`` from choosing pipeline stages (``autopar.pipeline_search``).
     """
     t0 = _T0[0] = time.perf_counter()
-    if not isinstance(n_gpus, int) or n_gpus < 1:
-        raise AutoparError(f"n_gpus must be a positive integer, got {n_gpus!r}")
+    check_plan_arguments(model, n_gpus, memory_budget_bytes, model_name)
     hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
     if strategy not in STRATEGY_FAMILIES:
         raise AutoparError(f"unknown strategy {strategy!r}; pick one of {', '.join(STRATEGY_FAMILIES)}")

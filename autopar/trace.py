@@ -7,12 +7,15 @@ user's own inputs. Every tensor node carries ``node.meta["val"]``, a FakeTensor 
 dtype. Models built on the ``meta`` device trace without allocating memory.
 
 When export fails the error names the source line of the model that failed and the likely
-fix, with export's own message below it.
+fix, with export's own message below it, in three lines; torch's own log records from the failed
+export are held back and counted in the message (``autopar.torch_logs``), and the example inputs
+are checked against ``forward``'s signature before export runs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import re
 import traceback
@@ -23,6 +26,7 @@ import torch.fx as fx
 from torch import nn
 
 from .errors import TraceError
+from .torch_logs import hold_torch_logs
 
 __all__ = ["trace", "TraceError", "graph_fingerprint"]
 
@@ -31,6 +35,7 @@ _GUARD_TARGETS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten
                   torch.ops.aten.sym_constrain_range_for_size.default}
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_STDLIB_DIR = os.path.dirname(inspect.__file__)
 
 
 def trace(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[str, Any] | None = None,
@@ -40,14 +45,21 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[
     ``stack_traces=False`` skips recording each node's source stack (``node.meta["stack_trace"]``),
     about a tenth of the trace time; the planner, which never shows them, passes False."""
     if not isinstance(model, nn.Module):
-        raise TraceError(f"autopar.trace expects an nn.Module, got {type(model).__name__}")
+        raise TraceError(f"autopar.trace expects an nn.Module, got {type(model).__name__}; pass the model "
+                         "object (e.g. model, inputs = autopar.models.get_model('gpt2'))")
+    if example_inputs is None:
+        example_inputs = ()
     args = tuple(example_inputs) if isinstance(example_inputs, (list, tuple)) else (example_inputs,)
+    _check_arguments(model, args, dict(example_kwargs or {}))
     saved = fx.config.do_not_emit_stack_traces
     fx.config.do_not_emit_stack_traces = saved or not stack_traces
     try:
-        exported = torch.export.export(model, args, dict(example_kwargs or {}), strict=False)
-    except Exception as exc:  # re-raised with the model's failing line and a fix
-        raise TraceError(_explain(exc, model)) from exc
+        with hold_torch_logs() as held:
+            try:
+                exported = torch.export.export(model, args, dict(example_kwargs or {}), strict=False)
+            except Exception as exc:  # re-raised with the model's failing line and a fix
+                raise TraceError(_explain(exc, model, args) + held.summary()) from exc
+        held.release()  # export succeeded: its warnings are the user's to see
     finally:
         fx.config.do_not_emit_stack_traces = saved
     try:  # no guard function to build (a tenth of the trace time on deep models): the caller drops it anyway
@@ -56,6 +68,35 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[
         gm = exported.module()
     _drop_guards(gm)
     return gm
+
+
+def _check_arguments(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The example inputs must bind to ``forward``'s parameters; export's own error for a
+    missing input points into ``inspect``, not at the call."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward without a readable signature: export will tell
+        return
+    sig = sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
+                      return_annotation=inspect.Signature.empty)
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TraceError(
+            f"cannot trace {type(model).__name__}: the example inputs do not fit forward{sig} "
+            f"({len(args)} positional, {len(kwargs)} keyword: {_describe(args)}): {exc}; pass example_inputs "
+            "with one value per argument of forward(), e.g. the inputs autopar.models.get_model returns") from exc
+
+
+def _describe(args: tuple) -> str:
+    """``float32[4,8], int64[4]``: the example inputs as an error shows them."""
+    def one(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"{str(v.dtype).replace('torch.', '')}[{','.join(str(s) for s in v.shape)}]"
+        if isinstance(v, (list, tuple)):
+            return "(" + ", ".join(one(x) for x in v) + ")"
+        return type(v).__name__
+    return ", ".join(one(a) for a in args) or "none"
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:
@@ -95,8 +136,8 @@ def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
         seen.add(id(e))
         frames.extend(traceback.extract_tb(e.__traceback__))
         e = e.__cause__ or e.__context__
-    user = [f for f in frames if not f.filename.startswith(_TORCH_DIR) and "/autopar/" not in f.filename
-            and "site-packages/torch" not in f.filename]
+    user = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _STDLIB_DIR, "<"))
+            and "/autopar/" not in f.filename and "site-packages/torch" not in f.filename]
     return user[-1] if user else None
 
 
@@ -122,7 +163,8 @@ def _is_missing_fake(exc: BaseException) -> bool:
     return False
 
 
-def _explain(exc: Exception, model: nn.Module) -> str:
+def _explain(exc: Exception, model: nn.Module, args: tuple) -> str:
+    """Three lines: the problem and where, the fix, and export's own first line."""
     message = str(exc)
     where = _frame_from_message(message)
     if where is None:
@@ -145,9 +187,10 @@ def _explain(exc: Exception, model: nn.Module) -> str:
         problem = "the model uses a construct torch.export does not support"
         fix = "rewrite that line with plain tensor ops, or move it out of forward()"
     else:
-        problem = f"torch.export failed ({type(exc).__name__})"
-        fix = "check that forward() runs on the example inputs and uses only tensor operations"
+        problem = f"forward() failed on the example inputs {_describe(args)} ({type(exc).__name__})"
+        fix = ("pass example inputs of the shapes and dtypes forward() expects (the model runs on them "
+               "eagerly), and use only tensor operations in forward()")
     first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
-    at = f"\n  at {where}" if where else ""
-    return (f"cannot trace {name}: {problem}.{at}\n  fix: {fix}.\n"
-            f"  torch.export said: {first[:500]}")
+    at = f" at {where}" if where else ""
+    return (f"cannot trace {name}: {problem}{at}.\n  fix: {fix}.\n"
+            f"  torch.export said: {first[:300]}")

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
+from autopar.errors import BadArgumentError
 from autopar.mesh import MeshSpec
 from autopar.strategy import Layout, Strategy
 
@@ -47,7 +48,7 @@ class TrainingSpec:
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
-            raise ValueError(
+            raise BadArgumentError(
                 f"unknown optimizer {self.optimizer!r}; pick one of {', '.join(OPTIMIZER_STATE_BYTES)}")
 
     @property

@@ -312,8 +312,9 @@ def get_hardware(name_or_path: str) -> Hardware:
         try:
             with open(text, encoding="utf-8") as fh:
                 data = json.load(fh)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise HardwareError(f"cannot read hardware profile {text!r}: {exc}") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise HardwareError(f"cannot read hardware profile {text!r}: {exc}; fix the file, or write a new one "
+                                "with autopar calibrate --out PATH") from exc
         return Hardware.from_json(data)
     if text.endswith(".json") or os.sep in text:
         raise HardwareError(f"hardware profile file {text!r} does not exist; write one with autopar calibrate")

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, BadArgumentError
 from autopar.mesh import MeshSpec
 from autopar.passes.lower import lower
 from autopar.passes.split_stages import block_count, even_stage_blocks, split_stages
@@ -339,15 +339,21 @@ def parallelize_plan_pipeline(model: nn.Module, example_inputs: Sequence[Any], p
                                 virtual_stages=info.virtual_stages, device=device, **options)
 
 
-def parallelize_pipeline_options(model: nn.Module, example_inputs: Sequence[Any], *, mesh: str | MeshSpec,
-                                 n_microbatches: int, schedule: str = "1f1b", device: str | None = None,
+def parallelize_pipeline_options(model: nn.Module, example_inputs: Sequence[Any], *, mesh: str | MeshSpec | None = None,
+                                 n_microbatches: int | None = None, schedule: str = "1f1b", device: str | None = None,
                                  virtual_stages: int = 1, stage_blocks: Sequence[int] | None = None,
                                  **plan_options) -> PipelineModule:
     """``parallelize(model, example_inputs=..., mesh="pp=2,dp=2,tp=2", n_microbatches=4,
     schedule="1f1b")``: the pipeline pinned by hand; the stages' sharding is planned."""
     world = dist.get_world_size()
+    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise BadArgumentError(f"n_microbatches must be a positive integer dividing the batch, got {n_microbatches!r}; "
+                               "e.g. n_microbatches=4")
+    # a schedule or batch that cannot work fails here, not after planning
+    _schedule_class(schedule)
+    _microbatch(example_inputs, n_microbatches)
     spec = MeshSpec.parse(mesh, world) if isinstance(mesh, str) else mesh
-    if not spec.axes or spec.axes[0] != "pp":
+    if spec is None or not spec.axes or spec.axes[0] != "pp":
         raise AutoparError(f"n_microbatches/schedule ask for a pipeline, so the mesh needs a leading pp axis, "
                            f"e.g. mesh='pp=2,dp=2'; got {mesh!r}")
     rest = ",".join(f"{a}={s}" for a, s in zip(spec.axes[1:], spec.sizes[1:])) or None

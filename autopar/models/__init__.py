@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from ..errors import AutoparError
 from .bert import BERT_CONFIGS, Bert, BertConfig, bert
 from .gpt import GPT, GPT_CONFIGS, GPTConfig, gpt
 from .hf import HF_BERT_TINY, HF_GPT2_TINY, HFLossWrapper, hf_bert, hf_gpt2
@@ -81,8 +82,8 @@ class ModelEntry:
         )
 
 
-class UnknownModelError(KeyError, ValueError):
-    """Raised for a name not in ZOO; catchable as KeyError or ValueError."""
+class UnknownModelError(AutoparError, KeyError, ValueError):
+    """Raised for a name not in ZOO; catchable as AutoparError, KeyError or ValueError."""
 
     def __str__(self) -> str:
         # KeyError.__str__ would repr() the message, quoting it.
@@ -145,6 +146,7 @@ def get_model(
         close = difflib.get_close_matches(name, ZOO.keys(), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise UnknownModelError(
-            f"Unknown model {name!r}.{hint} Known models: {', '.join(ZOO)}"
+            f"Unknown model {name!r}.{hint} Known models: {', '.join(ZOO)} (`autopar zoo` describes them), "
+            "or pass your own factory as package.module:function"
         )
     return entry.build(batch_size=batch_size, seq_len=seq_len, device=device, dtype=dtype)
