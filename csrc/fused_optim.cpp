@@ -66,7 +66,7 @@ void adam_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, t
   const float decay = decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.f;
   const float l2 = decoupled ? 0.f : static_cast<float>(weight_decay);
   at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) {
-#pragma GCC ivdep
+#pragma omp simd
     for (int64_t i = begin; i < end; ++i) {
       const float pi = p[i] * decay;
       const float gi = g[i] + l2 * p[i];
@@ -106,7 +106,9 @@ torch::Tensor lamb_phase1(torch::Tensor param, torch::Tensor grad, torch::Tensor
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t begin = c * kGrain, end = std::min(n, begin + kGrain);
       float ws = 0.f, us = 0.f;  // a chunk's partial sums in fp32 (<= 32K terms), chunks summed in fp64
-#pragma GCC ivdep
+      // simd reduction: lets the compiler keep one partial sum per vector lane (-fopenmp-simd;
+      // no OpenMP runtime is linked, at::parallel_for does the threading)
+#pragma omp simd reduction(+ : ws, us)
       for (int64_t i = begin; i < end; ++i) {
         const float mi = m[i] + one_b1 * (g[i] - m[i]);
         const float vi = b2 * v[i] + one_b2 * g[i] * g[i];
@@ -143,7 +145,7 @@ void lamb_phase2(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_a
   const Bias bias(step, beta1, beta2, bias_correction);
   const float inv_bc1 = 1.f / bias.bc1, inv_bc2 = 1.f / bias.bc2_sqrt, e = eps, wd = weight_decay, s = scale;
   at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) {
-#pragma GCC ivdep
+#pragma omp simd
     for (int64_t i = begin; i < end; ++i) {
       const float u = (m[i] * inv_bc1) / (std::sqrt(v[i]) * inv_bc2 + e) + wd * p[i];
       p[i] = p[i] - s * u;

@@ -54,7 +54,7 @@ def extension():
             raise FileNotFoundError(f"{_SOURCE} (an installed copy without csrc/)")
         folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        flags = ["-O3", "-fno-math-errno"] + (["-march=native"] if _is_x86_or_arm() else [])
+        flags = ["-O3", "-fno-math-errno", "-fopenmp-simd"] + (["-march=native"] if _is_x86_or_arm() else [])
         return load(name="autopar_fused_optim", sources=[str(_SOURCE)], build_directory=str(folder),
                     extra_cflags=flags, verbose=False)
     except Exception as exc:  # any build or load failure: the fallback works everywhere
