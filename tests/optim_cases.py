@@ -37,19 +37,21 @@ def build():
 
 
 def train(model_or_pm, inputs, kind: str) -> dict:
-    """STEPS steps; the bytes each optimizer step sent."""
+    """STEPS steps; the bytes each optimizer step sent, and each whole step (forward, backward, optimizer)."""
     from autopar.runtime import count_bytes
 
     opt = make_optimizer(kind, model_or_pm.parameters())
-    sent = []
+    sent, step_sent = [], []
     for _ in range(STEPS):
-        loss = model_or_pm(*inputs)
-        loss.backward()
-        with count_bytes() as s:
-            opt.step()
+        with count_bytes() as whole:
+            loss = model_or_pm(*inputs)
+            loss.backward()
+            with count_bytes() as s:
+                opt.step()
         sent.append(dict(s))
+        step_sent.append(dict(whole))
         opt.zero_grad()
-    return dict(sent=sent, loss=loss.item())
+    return dict(sent=sent, step_sent=step_sent, loss=loss.item())
 
 
 def shape_mismatches(pm) -> list[str]:
@@ -83,10 +85,10 @@ def run_family(family: str, mesh: str | None, options: dict) -> dict:
     model, inputs = build()
     t0 = time.perf_counter()
     pm = parallelize(model, example_inputs=inputs, hardware="a100-80gb", mixed_precision=False, strategy=family,
-                     mesh=mesh, baselines=False, **options)
+                     mesh=mesh, baselines=False, optimizer="lamb", **options)  # prices the norm all-reduces
     # full_state_dict returns unsplit tensors as views of the live parameters: clone to keep them
     start = {k: v.clone() for k, v in pm.full_state_dict().items()}
-    out = dict(mesh=str(pm.plan.mesh), parallelize_seconds=time.perf_counter() - t0, mismatches=shape_mismatches(pm),
+    out = dict(mesh=str(pm.plan.mesh), predicted=dict(pm.plan.comm_bytes), parallelize_seconds=time.perf_counter() - t0, mismatches=shape_mismatches(pm),
                cut=sorted(s.name for s in pm.shards() if s.is_param and s.split_axes))
     for kind in ("lamb", "lars"):
         for reduced in (True, False):

@@ -2,7 +2,8 @@
 (2x2), 2d and the planner's own choice: the parameters after 5 steps equal the same optimizer
 run in one process (rtol 1e-5). The same run with the norms taken per piece (ShardInfo
 removed) differs wherever the plan cuts a parameter, so the reduction is what makes it right.
-Every local piece has the shape the plan's layout gives."""
+Every local piece has the shape the plan's layout gives, and each step (forward, backward,
+optimizer) sends exactly the bytes the plan made with ``optimizer="lamb"`` predicts."""
 
 import os
 import subprocess
@@ -68,5 +69,8 @@ def test_sharded_lamb_lars_equal_single_process_and_need_the_reduction(results, 
     else:
         assert r["cut"], f"{family} cut no parameter"
         assert sent > 0 and set(r["cut"]) & set(per_piece), (sent, per_piece)
+    # the plan (optimizer="lamb": LARS reduces as many norms) priced the step's every byte, norms included
+    for step_sent in r[f"{kind}/reduced"]["step_sent"]:
+        assert step_sent == pytest.approx(r["predicted"]), (step_sent, r["predicted"])
     report_line(f"optim {kind} {family} ({r['mesh']}): {len(r['cut'])} cut params, norm all-reduce "
                 f"{sent:.0f} B/step/rank; with per-piece norms {len(per_piece)} tensors would differ")
