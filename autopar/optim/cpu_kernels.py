@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import platform
 import sys
 import warnings
 from pathlib import Path
@@ -48,7 +49,7 @@ def extension():
                       FusedKernelWarning, stacklevel=2)
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import load  # on first use only: it imports setuptools and more
 
         if not _SOURCE.exists():
             raise FileNotFoundError(f"{_SOURCE} (an installed copy without csrc/)")
@@ -65,8 +66,6 @@ def extension():
 
 
 def _is_x86_or_arm() -> bool:
-    import platform
-
     return platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
 
 

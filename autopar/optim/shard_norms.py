@@ -23,15 +23,7 @@ import torch.distributed as dist
 from autopar.runtime.collectives import COUNTER
 from autopar.runtime.shard_info import shard_info_of
 
-__all__ = ["squared_norms", "reduce_squared_norms"]
-
-
-def squared_norms(tensors_per_param: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
-    """Local sums of squares, one row per parameter, one column per tensor of that row (fp32)."""
-    rows = [torch.stack([t.float().pow(2).sum() for t in ts]) for ts in tensors_per_param]
-    if not rows:
-        return torch.zeros(0, 0)
-    return torch.stack(rows)
+__all__ = ["reduce_squared_norms"]
 
 
 def reduce_squared_norms(params: Sequence[torch.Tensor], local_sq: torch.Tensor) -> torch.Tensor:
