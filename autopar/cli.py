@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default), dp, zero2, zero3, megatron, megatron-sp, megatron-dp, 2d, 2.5d, 3d, sp, ulysses, ring, pp (pipeline stages; "
                         "or pin them with --mesh pp=4,dp=2,tp=8)")
     p.add_argument("--memory-budget", default=None, help="per-device budget, e.g. 40GB (default: device memory)")
-    p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd")
+    p.add_argument("--optimizer", default="adamw",
+                   help="adamw (default), adam, sgd, lamb, lars (lamb/lars: prices their norm all-reduces)")
     p.add_argument("--json", default=None, help="write the plan as JSON to this path")
     p.add_argument("--html", default=None, help="also write a self-contained HTML report (inline SVG plots) here")
     p.add_argument("--no-baselines", action="store_true", help="skip pricing the baselines")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .comm import bytes_sent_per_rank, collective_s
 from .fsdp_pricing import fsdp_fusions
+from .optimizer_norms import norm_allreduce_bytes
 from .problem import Problem, partial_grad_axes
 from .reshard import reshard_steps, transitions
 
@@ -107,4 +108,7 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
             n, link = mesh.sizes[g.axis], mesh.links[g.axis]
             comm_s += g.seconds * count / g.count if kind == "all_reduce" else collective_s(kind, g.nbytes, n, link) * count
             sent[kind] += bytes_sent_per_rank(kind, g.nbytes, n) * count
+    for axis, nbytes in norm_allreduce_bytes(problem, choice, problem.optimizer).items():  # LAMB/LARS norms
+        comm_s += collective_s("all_reduce", nbytes, mesh.sizes[axis], mesh.links[axis])
+        sent["all_reduce"] += bytes_sent_per_rank("all_reduce", nbytes, mesh.sizes[axis])
     return Prediction(node_s + comm_s, node_s, comm_s, params_b, acts_b, dict(sent))

@@ -146,6 +146,7 @@ class Problem:
     # Followers: node name -> (root decision key, per root option: (strategy of the node, its output layouts))
     followers: dict[str, tuple[str, list[Strategy]]] = field(default_factory=dict)
     needs_grad: dict[str, bool] = field(default_factory=dict)  # node name -> it needs a gradient
+    optimizer: str = "adamw"  # TrainingSpec.optimizer: LAMB/LARS add norm all-reduces (optimizer_norms.py)
 
     def strategy_of(self, name: str, choice: dict[str, int]) -> Strategy:
         """The strategy node ``name`` runs under a solved ``choice``."""
@@ -577,7 +578,7 @@ class _Builder:
         self.add_outputs()
         edges, syncs = self.edges_and_syncs()
         return Problem(self.mesh, self.decisions, edges, syncs, self.rep, dict(self.counts), self.followers,
-                       self.needs)
+                       self.needs, self.train.optimizer)
 
     def edges_and_syncs(self):
         edge_acc: dict[tuple, EdgeTerm] = {}

@@ -17,4 +17,10 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/cons
   python -m pip install -q -c "$ROOT/constraints-cpu.txt" -e "$ROOT[test]"
   touch "$STAMP"
 fi
+# Build csrc/'s fused CPU optimizer kernels once (~1-2 min; later runs reuse the build in
+# .venv/var). Where no compiler is found autopar warns once and runs its torch fallback.
+EXT_STAMP="$VENV/.autopar-ext-built"
+if [ ! -f "$EXT_STAMP" ] || [ "$ROOT/csrc/fused_optim.cpp" -nt "$EXT_STAMP" ]; then
+  OMP_NUM_THREADS=1 python -c "from autopar.optim.cpu_kernels import extension; extension()" && touch "$EXT_STAMP"
+fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
