@@ -9,7 +9,7 @@ import time
 
 from .efficiency import NoiseScaleEfficiency
 from .jobs import JobModel
-from .registry import POLICIES
+from .registry import POLICIES, make_policy
 from .report import format_table, reductions, run_seed, to_json
 from .throughput import load_table
 from .workload import load_trace, sample_workload
@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     names = list(POLICIES) if args.policy == "all" else args.policy.split(",")
+    for name in names:
+        make_policy(name)  # an unknown name fails here, naming the known ones, before any work
     table = load_table(args.table)
     model = JobModel(table, NoiseScaleEfficiency(args.noise_scale_ratio), args.restart_s)
     trace = load_trace(args.trace)

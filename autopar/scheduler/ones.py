@@ -24,9 +24,9 @@ migration-minimising reorder (keep unchanged jobs on their GPUs) happens in the 
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
-import statistics
 from dataclasses import dataclass, field
 
 from .simulator import Allocation, JobState, View
@@ -76,54 +76,62 @@ class Ones:
 
     # ------------------------------------------------------------------ fitness and operators
     def fitness(self, sched: Schedule, ctx: "_Round") -> float:
-        run = [ctx.times[jid][n] for jid, n in sched.items() if n]
-        wait = statistics.median(run) if run else 0.0
-        total = sum(run)
-        for jid in ctx.ids:
-            if not sched.get(jid):
-                total += wait + ctx.wait_time[jid]
-        return total
+        run = sorted(ctx.times[jid][n] for jid, n in sched.items() if n)
+        wait = run[len(run) // 2] if run else 0.0  # the median running job's time
+        n_wait = len(ctx.ids) - len(run)
+        waiting = ctx.wait_sum - sum(ctx.wait_time[jid] for jid in sched)
+        return sum(run) + n_wait * wait + waiting
 
     def repair(self, sched: Schedule, ctx: "_Round") -> Schedule:
         out: Schedule = {}
         for jid, n in sched.items():
             allowed = ctx.allowed.get(jid)
             if n and allowed:
-                out[jid] = n if n in allowed else min(allowed, key=lambda a: (abs(math.log2(a / n)), a))
+                out[jid] = n if n in ctx.allowed_set[jid] else min(allowed, key=lambda a: (abs(math.log2(a / n)), a))
         used = sum(out.values())
-        while used > ctx.total:
-            jid = max(out, key=lambda j: (ctx.times[j][out[j]], j))
-            smaller = [a for a in ctx.allowed[jid] if a < out[jid]]
-            new = smaller[-1] if smaller else 0
-            used -= out[jid] - new
-            if new:
-                out[jid] = new
-            else:
-                del out[jid]
+        if used > ctx.total:  # shrink or drop the longest-running jobs first
+            heap = [(-ctx.times[j][n], j) for j, n in out.items()]
+            heapq.heapify(heap)
+            while used > ctx.total:
+                _, jid = heapq.heappop(heap)
+                smaller = [a for a in ctx.allowed[jid] if a < out[jid]]
+                new = smaller[-1] if smaller else 0
+                used -= out[jid] - new
+                if new:
+                    out[jid] = new
+                    heapq.heappush(heap, (-ctx.times[jid][new], jid))
+                else:
+                    del out[jid]
         return out
 
     def fill(self, sched: Schedule, ctx: "_Round") -> Schedule:
         free = ctx.total - sum(sched.values())
         for jid in ctx.fill_order:
-            if free <= 0:
-                break
+            if free < ctx.min_gpus[jid]:
+                if free <= 0:
+                    break
+                continue
             if jid in sched:
                 continue
             fits = [a for a in ctx.allowed[jid] if a <= free]
-            if fits:
-                sched[jid] = fits[-1]
-                free -= fits[-1]
-        while free > 0:
-            best, best_gain = None, 0.0
-            for jid, n in sched.items():
-                if 2 * n in ctx.times[jid] and n <= free:
-                    gain = (ctx.times[jid][n] - ctx.times[jid][2 * n]) / n
-                    if gain > best_gain:
-                        best, best_gain = jid, gain
-            if best is None:
-                break
-            free -= sched[best]
-            sched[best] *= 2
+            sched[jid] = fits[-1]
+            free -= fits[-1]
+        heap = []  # (-time saved per GPU added by doubling, job)
+
+        def push(jid: int) -> None:
+            n = sched[jid]
+            t2 = ctx.times[jid].get(2 * n)
+            if t2 is not None and n <= free and ctx.times[jid][n] > t2:
+                heapq.heappush(heap, ((t2 - ctx.times[jid][n]) / n, jid, n))
+
+        for jid in sched:
+            push(jid)
+        while heap and free > 0:
+            _, jid, n = heapq.heappop(heap)
+            if sched[jid] == n and n <= free:
+                free -= n
+                sched[jid] = 2 * n
+                push(jid)
         return sched
 
     def _child(self, scored: list[tuple[float, Schedule]], ctx: "_Round") -> Schedule:
@@ -135,7 +143,7 @@ class Ones:
 
         pa, pb = pick(), pick()
         child: Schedule = {}
-        for jid in ctx.ids:  # uniform crossover
+        for jid in sorted(pa.keys() | pb.keys()):  # uniform crossover (a job absent from both stays out)
             n = (pa if rng.random() < 0.5 else pb).get(jid, 0)
             if n:
                 r = rng.random()
@@ -163,9 +171,10 @@ class Ones:
 
 
 def _dedupe_sorted(scored: list[tuple[float, Schedule]]) -> list[tuple[float, Schedule]]:
+    """Sorted by fitness (stable: earlier individuals first on ties), duplicates removed."""
     seen, out = set(), []
-    for f, s in sorted(scored, key=lambda x: (x[0], sorted(x[1].items()))):
-        key = tuple(sorted((j, n) for j, n in s.items() if n))
+    for f, s in sorted(scored, key=lambda x: x[0]):
+        key = frozenset(s.items())
         if key not in seen:
             seen.add(key)
             out.append((f, s))
@@ -179,8 +188,11 @@ class _Round:
     total: int
     ids: list[int]
     allowed: dict[int, list[int]]
+    allowed_set: dict[int, frozenset[int]]
+    min_gpus: dict[int, int]
     times: dict[int, dict[int, float]]
     wait_time: dict[int, float]
+    wait_sum: float
     fill_order: list[int]
 
     @classmethod
@@ -192,8 +204,9 @@ class _Round:
             times[jid] = {n: policy._time(st, n, view) for n in allowed[jid]}
             req = [n for n in allowed[jid] if n <= st.job.requested_gpus] or allowed[jid]
             wait[jid] = min((times[jid][n] for n in req), default=math.inf)
-        ids = sorted(allowed)
+        ids = [jid for jid in sorted(allowed) if allowed[jid]]  # a job that fits nowhere is never scheduled
         # new and short jobs first: least predicted time, then latest arrival
         arrival = {st.job.job_id: st.job.arrival_s for st in view.jobs}
         order = sorted(ids, key=lambda j: (wait[j], -arrival[j], j))
-        return cls(view.total_gpus, ids, allowed, times, wait, order)
+        return cls(view.total_gpus, ids, allowed, {j: frozenset(a) for j, a in allowed.items()},
+                   {j: allowed[j][0] for j in ids}, times, wait, sum(wait[j] for j in ids), order)

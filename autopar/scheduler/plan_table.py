@@ -72,7 +72,7 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: Iterable[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Build the scheduler's throughput table from autopar.plan.")
-    ap.add_argument("--models", default="vit-base,bert-base,gpt2,gpt2-medium")
+    ap.add_argument("--models", default="vit-base,bert-base,gpt2")
     ap.add_argument("--gpus", default="1,2,4,8,16,32,64")
     ap.add_argument("--per-gpu-batches", default="2,8,32")
     ap.add_argument("--hardware", default="a100-80gb")

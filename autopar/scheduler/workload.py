@@ -32,8 +32,7 @@ __all__ = ["TraceJob", "WorkloadError", "load_trace", "sample_workload", "MODEL_
 
 DEFAULT_TRACE = "philly_2017-10.csv.gz"
 # (upper GPU-hours bound, model): the first bucket whose bound exceeds a job's GPU time
-MODEL_BUCKETS: tuple[tuple[float, str], ...] = ((1.0, "vit-base"), (10.0, "bert-base"), (100.0, "gpt2"),
-                                                (float("inf"), "gpt2-medium"))
+MODEL_BUCKETS: tuple[tuple[float, str], ...] = ((1.0, "vit-base"), (10.0, "bert-base"), (float("inf"), "gpt2"))
 
 
 class WorkloadError(AutoparError, ValueError):
