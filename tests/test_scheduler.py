@@ -15,7 +15,7 @@ from autopar.scheduler.registry import PolicyError
 from autopar.scheduler.simulator import JobState, View
 from autopar.scheduler.tiresias import Tiresias
 
-from scheduler_fixtures import flat, job, job_model, linear, table
+from scheduler_fixtures import job, job_model, table
 
 
 def test_single_job_finishes_at_restart_plus_work_over_goodput():

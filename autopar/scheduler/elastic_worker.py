@@ -5,7 +5,7 @@
 Trains the zoo's tiny GPT data parallel (``strategy="dp"``) on a global batch ``B`` that is the
 same at every world size, so its loss trajectory is the single-process one whatever the GPU
 count. Step ``s`` trains on a batch drawn from ``(seed, s)`` alone. Between steps rank 0 looks
-for ``D/stop`` and tells every rank; on a stop the job saves its state (``job_checkpoint``) and
+for ``D/stop`` (or reaches ``--pause-at``) and tells every rank; on a stop the job saves its state (``job_checkpoint``) and
 exits, and a later launch at another world size resumes from it. Rank 0 appends one JSON line
 per step (step, loss, world size, time) to ``D/steps.jsonl``.
 """
@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--pause-at", type=int, default=None, help="checkpoint and exit before this step (tests)")
     args = ap.parse_args(argv)
     job_dir = Path(args.job_dir)
     dist.init_process_group("gloo")
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     log = open(job_dir / "steps.jsonl", "a", encoding="utf-8") if rank == 0 else None
     while step < args.steps:
         if rank == 0:
-            flag.fill_(1.0 if (job_dir / "stop").exists() else 0.0)
+            flag.fill_(1.0 if (job_dir / "stop").exists() or step == args.pause_at else 0.0)
         dist.broadcast(flag, 0)
         if flag.item():
             break

@@ -37,5 +37,5 @@ def load_job_state(path: str | Path, model, optimizer: torch.optim.Optimizer) ->
     for i, p in enumerate(params):
         state = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"optim.{i}.")}
         if state:
-            optimizer.state[p] = {k: (v.clone() if v.dim() else v.clone()) for k, v in state.items()}
+            optimizer.state[p] = {k: v.clone() for k, v in state.items()}
     return int(tensors["step"].item())

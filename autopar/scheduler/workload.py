@@ -15,6 +15,7 @@ samples its workloads the same way).
 
 from __future__ import annotations
 
+import bisect
 import csv
 import gzip
 import io
@@ -82,12 +83,13 @@ def sample_workload(trace: Sequence[TraceJob], n_jobs: int, total_gpus: int, mod
     usable = [j for j in trace if j.duration_s >= min_duration_s and 1 <= j.gpus <= total_gpus]
     window_s = window_hours * 3600.0
     rng = random.Random(seed)
+    submits = [j.submit_s for j in usable]
     starts = list(range(len(usable)))
     rng.shuffle(starts)
-    for s in starts:
-        t0 = usable[s].submit_s
-        window = [j for j in usable[s: s + 20 * n_jobs] if j.submit_s < t0 + window_s]
-        if len(window) >= n_jobs:
+    for s in starts:  # the first window (in the seed's order of start jobs) that holds n_jobs
+        end = bisect.bisect_left(submits, submits[s] + window_s)
+        if end - s >= n_jobs:
+            window = usable[s:end]
             break
     else:
         raise WorkloadError(f"no {window_hours:g}-hour window of the trace holds {n_jobs} usable jobs; "
