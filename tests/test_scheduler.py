@@ -124,7 +124,7 @@ def test_ones_scales_a_lone_job_up_by_doubling_and_beats_its_static_run():
 
 def test_policies_are_deterministic_per_seed():
     m = job_model(restart_s=5.0, noise_scale_ratio=4.0)
-    for name in ("fifo", "tiresias", "optimus", "ones"):
+    for name in ("fifo", "tiresias", "optimus", "ones", "pollux"):
         a = simulate(_workload(), make_policy(name, seed=1), m, 8)
         b = simulate(_workload(), make_policy(name, seed=1), m, 8)
         assert a.jct_s == b.jct_s and a.restarts == b.restarts, name
@@ -174,3 +174,18 @@ def test_placement_best_fit_then_span():
     assert c.place(2) == ((0, 2),)
     c2 = Cluster(2, 8, [3, 3])
     assert sorted(c2.place(4)) == [(0, 3), (1, 1)]  # no node holds 4: the job spans
+
+
+def test_pollux_picks_the_goodput_maximizing_batch():
+    """A fixed 50 ms per step makes larger batches faster per sample; whether Pollux takes them
+    depends on the statistical efficiency (the noise scale)."""
+    from autopar.scheduler.pollux import Pollux
+
+    fns = {"lin": lambda n, b: 0.05 + 0.01 * b / n}
+    st = JobState(job(0, 0, 1000.0, 1, batch_cap=8))
+    big = Pollux().schedule(_view([st], 1, job_model(fns, noise_scale_ratio=1e9)))
+    assert big == {0: Allocation(1, 64)}  # efficiency ~1: the cap
+    small = Pollux().schedule(_view([st], 1, job_model(fns, noise_scale_ratio=0.01)))
+    assert small == {0: Allocation(1, 8)}  # efficiency falls as 1/batch: the base batch
+    two = Pollux().schedule(_view([st, JobState(job(1, 5, 1000.0, 1))], 3, job_model(fns, noise_scale_ratio=1e9)))
+    assert sorted(a.gpus for a in two.values()) == [1, 2]  # both run; the spare GPU doubles one

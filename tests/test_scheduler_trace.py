@@ -61,10 +61,10 @@ def test_schedule_command_prints_the_table_and_writes_json_and_html(tmp_path, ca
     text = capsys.readouterr().out
     assert "avg JCT h" in text and "ONES avg JCT vs tiresias" in text
     data = json.loads(out.read_text())
-    assert set(data["policies"]) == {"fifo", "tiresias", "optimus", "ones"}
+    assert set(data["policies"]) == {"fifo", "tiresias", "optimus", "ones", "pollux"}
     for r in data["policies"].values():
         assert set(r) == {"avg_jct", "p50_jct", "p99_jct", "makespan", "utilization"}
         assert 0 < r["utilization"] <= 1 and r["p50_jct"] <= r["p99_jct"]
-    assert page.read_text().count("<svg") == 8  # one chart per policy and seed
+    assert page.read_text().count("<svg") == 10  # one chart per policy and seed
     assert main(["schedule", "--policy", "onez", "--jobs", "5"]) == 2
     assert "unknown policy 'onez'" in capsys.readouterr().err

@@ -1,4 +1,6 @@
-"""The scheduling policies by name: a dict plus a decorator (as the rule registry)."""
+"""The scheduling policies by name: a dict plus a decorator (as the rule registry).
+
+``all`` on the command line runs every registered policy, in registration order."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from ..errors import AutoparError
 from .fifo import Fifo
 from .ones import Ones
 from .optimus import Optimus
+from .pollux import Pollux
 from .simulator import Policy
 from .tiresias import Tiresias
 
@@ -44,3 +47,4 @@ register_policy("fifo")(lambda seed: Fifo())
 register_policy("tiresias")(lambda seed: Tiresias())
 register_policy("optimus")(lambda seed: Optimus())
 register_policy("ones")(lambda seed: Ones(seed=seed))
+register_policy("pollux")(lambda seed: Pollux())
