@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(run_) + "\n")
     red = reductions(runs)
     for other, r in red.items():
-        print(f"ONES avg JCT vs {other}: {100 * r['mean']:.1f}% lower on average over {len(runs)} seeds "
-              f"(min {100 * r['min']:.1f}%, max {100 * r['max']:.1f}%)")
+        print(f"ONES avg JCT vs {other}: {100 * abs(r['mean']):.1f}% {'lower' if r['mean'] >= 0 else 'higher'} on "
+              f"average over {len(runs)} seeds (reduction min {100 * r['min']:.1f}%, max {100 * r['max']:.1f}%)")
     print(f"throughput table: {table.n_plans} plans ({table.hardware}); {time.perf_counter() - t0:.1f} s")
     if args.json:
         meta = {"gpus": args.gpus, "jobs": args.jobs, "window_hours": args.window, "hardware": table.hardware,

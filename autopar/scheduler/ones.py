@@ -19,7 +19,10 @@ free GPUs to waiting jobs, new and short ones first, then doubles the running jo
 most. Fitness (lower is better) is the predicted sum of remaining completion times: a running
 job's remaining work over its goodput plus any restart its change costs; a waiting job's time at
 its requested size plus the median running job's time as its expected wait. The
-migration-minimising reorder (keep unchanged jobs on their GPUs) happens in the placement step.
+migration-minimising reorder (keep unchanged jobs on their GPUs) happens in the placement step,
+and the best schedule replaces the running one (plus waiting jobs filled into free GPUs) only
+when it predicts at least ``min_gain`` less total remaining time, so noise in the search does
+not move jobs.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Ones:
     generations: int = 3
     p_drop: float = 0.05
     p_scale: float = 0.15
+    min_gain: float = 0.02  # adopt a new schedule only if it predicts >= 2% less total remaining time
     name: str = "ones"
     interval_s: float | None = 300.0
     _pop: list[Schedule] = field(default_factory=list, repr=False)
@@ -165,7 +169,10 @@ class Ones:
             children = [self._child(scored, ctx) for _ in range(self.population)]
             scored = _dedupe_sorted(scored + [(self.fitness(c, ctx), c) for c in children])[: self.population]
         self._pop = [s for _, s in scored]
-        best = scored[0][1]
+        best_f, best = scored[0]
+        keep_f = self.fitness(pool[0], ctx)  # the running schedule, waiting jobs filled in
+        if best_f > (1 - self.min_gain) * keep_f:
+            best = pool[0]  # not worth the migrations: keep running jobs where they are
         states = {st.job.job_id: st for st in view.jobs}
         return {jid: Allocation(n, states[jid].job.elastic_batch(n)) for jid, n in best.items() if n}
 
