@@ -68,3 +68,9 @@ def test_schedule_command_prints_the_table_and_writes_json_and_html(tmp_path, ca
     assert page.read_text().count("<svg") == 10  # one chart per policy and seed
     assert main(["schedule", "--policy", "onez", "--jobs", "5"]) == 2
     assert "unknown policy 'onez'" in capsys.readouterr().err
+    assert main(["schedule", "--gpus", "60"]) == 2
+    assert "not whole nodes of 8" in capsys.readouterr().err
+    assert main(["schedule", "--jobs", "0"]) == 2
+    assert "at least one job" in capsys.readouterr().err
+    assert main(["schedule", "--seed", "x"]) == 2
+    assert "cannot read --seed 'x'" in capsys.readouterr().err

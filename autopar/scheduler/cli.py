@@ -7,21 +7,25 @@ import json
 import sys
 import time
 
+from .cluster import Cluster
 from .efficiency import NoiseScaleEfficiency
 from .jobs import JobModel
 from .registry import POLICIES, make_policy
 from .report import format_table, reductions, run_seed, to_json
 from .throughput import load_table
-from .workload import load_trace, sample_workload
+from .workload import WorkloadError, load_trace, sample_workload
 
 __all__ = ["add_arguments", "run"]
 
 
 def _seeds(text: str) -> list[int]:
     out = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+    except ValueError:
+        raise WorkloadError(f"cannot read --seed {text!r}; write a seed, a list or a range: 0, 0,3,7 or 0-4") from None
     return out
 
 
@@ -45,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     names = list(POLICIES) if args.policy == "all" else args.policy.split(",")
     for name in names:
         make_policy(name)  # an unknown name fails here, naming the known ones, before any work
+    Cluster.with_gpus(args.gpus)  # whole nodes: fails here, with the fix, before any work
     table = load_table(args.table)
     model = JobModel(table, NoiseScaleEfficiency(args.noise_scale_ratio), args.restart_s)
     trace = load_trace(args.trace)

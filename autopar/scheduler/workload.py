@@ -80,6 +80,8 @@ def sample_workload(trace: Sequence[TraceJob], n_jobs: int, total_gpus: int, mod
     ``elastic_gpus``/``batch_cap``: a job may grow to that many times its requested GPUs and
     base batch (ONES's and Optimus's elastic range).
     """
+    if n_jobs < 1:
+        raise WorkloadError(f"a workload needs at least one job, got n_jobs={n_jobs}; e.g. --jobs 100")
     usable = [j for j in trace if j.duration_s >= min_duration_s and 1 <= j.gpus <= total_gpus]
     window_s = window_hours * 3600.0
     rng = random.Random(seed)
