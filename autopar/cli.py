@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     # --- autopar schedule: the cluster scheduler (autopar/scheduler/cli.py) ---
     from .scheduler import cli as schedule_cli
 
-    p = sub.add_parser("schedule", help="simulate cluster schedulers (ONES, Tiresias, Optimus, FIFO) on trace jobs")
+    p = sub.add_parser("schedule", help="simulate cluster schedulers (ONES, Tiresias, Optimus, Pollux, FIFO) on trace jobs")
     schedule_cli.add_arguments(p)
     p.set_defaults(fn=schedule_cli.run)
     return parser
