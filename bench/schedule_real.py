@@ -4,7 +4,8 @@
 
 1. Plans the tiny GPT at 1, 2 and 4 ranks on the CPU profile (``--hardware``, default the
    built-in ``cpu``; pass ``autopar calibrate``'s JSON for the calibrated one): the job model's table.
-2. Measures the restart overhead: one launch of a job alone, from process start to its first step.
+2. Measures the restart overhead: one launch of a job on all slots, from process start to its
+   first step (CPU slots share the cores, so a launch costs more when several ranks start at once).
 3. Runs the jobs for real under Optimus (GPU counts change, each job's global batch does not),
    resizing through the checkpoint path of ``autopar.scheduler.job_checkpoint``.
 4. Simulates the same jobs with the same policy on the table and the measured overhead.
@@ -48,12 +49,15 @@ def alone_losses(seed: int, steps: int, batch: int, lr: float = 1e-3) -> list[fl
     return out
 
 
-def measure_restart(workdir: Path, batch: int) -> tuple[float, float]:
-    """Seconds from launching a job to its first step, and its median step seconds after that."""
+def measure_restart(workdir: Path, batch: int, ranks: int) -> tuple[float, float]:
+    """Seconds from launching a job on ``ranks`` processes to its first step, and its median step
+    seconds after that. CPU slots share the cores, so a launch's cost (every rank imports torch,
+    traces and plans) grows with how many ranks start at once; the probe starts as many as the
+    run has slots, as a round that (re)starts several jobs does."""
     d = workdir / "restart_probe"
     d.mkdir()
     t0 = time.time()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m",
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), "-m",
                     "autopar.scheduler.elastic_worker", "--job-dir", str(d), "--steps", "12", "--batch", str(batch)],
                    check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     steps = read_steps(d)
@@ -81,9 +85,10 @@ def main() -> int:
     raw = build_table(["gpt-tiny"], [1, 2, 4], [b // 4, b // 2, b], args.hardware, seq_len=32, progress=False)
     table = ThroughputTable.from_dict(raw)
     with tempfile.TemporaryDirectory() as tmp:
-        restart_s, step_s = measure_restart(Path(tmp), b)
-        print(f"measured: launch to first step {restart_s:.1f} s, step {step_s * 1e3:.1f} ms at 1 rank; "
-              f"planned step at 1 rank {table.model('gpt-tiny').step_seconds(1, b) * 1e3:.2f} ms", flush=True)
+        restart_s, step_s = measure_restart(Path(tmp), b, args.slots)
+        print(f"measured: launch to first step {restart_s:.1f} s, step {step_s * 1e3:.1f} ms at {args.slots} ranks; "
+              f"planned step at {args.slots} ranks {table.model('gpt-tiny').step_seconds(args.slots, b) * 1e3:.2f} ms",
+              flush=True)
         model = JobModel(table, restart_overhead_s=restart_s)
         jobs = [Job(i, "gpt-tiny", arrivals[i], float(steps[i] * b), requested[i], b, args.slots, b)
                 for i in range(len(steps))]
