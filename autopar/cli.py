@@ -5,6 +5,7 @@
     autopar validate                              check every sharding rule against the unsharded op
     autopar plan MODEL --gpus N [...]             choose a training plan and print the report
     autopar calibrate --out hw.json               measure this machine; plan with --hardware hw.json
+    autopar schedule --gpus 64 --policy all       simulate cluster schedulers on Philly trace workloads
 """
 
 from __future__ import annotations
@@ -303,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(fn=_cmd_calibrate)
     sub.add_parser("demo", help="the README main job").set_defaults(fn=_cmd_demo)
+    # --- autopar schedule: the cluster scheduler (autopar/scheduler/cli.py) ---
+    from .scheduler import cli as schedule_cli
+
+    p = sub.add_parser("schedule", help="simulate cluster schedulers (ONES, Tiresias, Optimus, Pollux, FIFO) on trace jobs")
+    schedule_cli.add_arguments(p)
+    p.set_defaults(fn=schedule_cli.run)
     return parser
 
 

@@ -1,0 +1,141 @@
+"""The real run: a scheduling policy driving real autopar jobs as torchrun processes on CPU slots.
+
+Each job is :mod:`elastic_worker` (the tiny GPT, data parallel, fixed global batch). The
+controller keeps the simulator's view of every job (``JobState``: steps done become work done),
+asks the policy at arrivals, completions and every ``interval_s``, and carries out its decisions
+for real: a job whose GPU count changes is told to stop (it checkpoints at the next step
+boundary) and relaunched with the new ``--nproc_per_node``, resuming from the checkpoint. The
+same jobs are then simulated with the same policy on a throughput table planned for the CPU
+profile, so the simulator's job model (step times, restart cost) is checked against reality.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from .jobs import Job, JobModel
+from .simulator import Allocation, JobState, Policy, SchedulerError, View
+
+__all__ = ["RealJob", "RealRun", "run_real", "read_steps"]
+
+
+@dataclass(frozen=True)
+class RealJob:
+    job: Job  # model "gpt-tiny"; work = steps x base batch
+    steps: int
+    seed: int
+
+
+@dataclass
+class RealRun:
+    jct_s: dict[int, float] = field(default_factory=dict)
+    launches: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # (time, world size)
+    steps: dict[int, list[dict]] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def read_steps(job_dir: Path) -> list[dict]:
+    path = job_dir / "steps.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _launch(spec: RealJob, gpus: int, job_dir: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
+           "-m", "autopar.scheduler.elastic_worker", "--job-dir", str(job_dir), "--steps", str(spec.steps),
+           "--batch", str(spec.job.base_batch), "--seed", str(spec.seed)]
+    log = open(job_dir / "torchrun.log", "a", encoding="utf-8")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait(proc: subprocess.Popen, job_dir: Path, timeout_s: float = 300.0) -> None:
+    if proc.wait(timeout=timeout_s) != 0:
+        tail = (job_dir / "torchrun.log").read_text(encoding="utf-8")[-3000:]
+        raise SchedulerError(f"job in {job_dir} exited with {proc.returncode}:\n{tail}")
+
+
+def run_real(specs: Sequence[RealJob], policy: Policy, model: JobModel, slots: int, workdir: str | Path,
+             poll_s: float = 0.2, progress: bool = True) -> RealRun:
+    """Run ``specs`` on ``slots`` CPU processes under ``policy``; JCT = finish - arrival (wall clock)."""
+    workdir = Path(workdir)
+    dirs = {s.job.job_id: workdir / f"job{s.job.job_id}" for s in specs}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=False)
+    by_id = {s.job.job_id: s for s in specs}
+    pending = sorted(specs, key=lambda s: s.job.arrival_s)
+    active: dict[int, JobState] = {}
+    procs: dict[int, subprocess.Popen] = {}
+    out = RealRun()
+    t0 = time.monotonic()
+    last_round = -math.inf
+    try:
+        while pending or active:
+            now = time.monotonic() - t0
+            event = False
+            while pending and pending[0].job.arrival_s <= now:
+                s = pending.pop(0)
+                active[s.job.job_id] = JobState(s.job)
+                event = True
+            for jid in list(procs):
+                if procs[jid].poll() is not None:
+                    _wait(procs.pop(jid), dirs[jid])
+                    out.jct_s[jid] = now - by_id[jid].job.arrival_s
+                    active.pop(jid)
+                    event = True
+                    if progress:
+                        print(f"[real] t={now:6.1f} s job {jid} finished", file=sys.stderr, flush=True)
+            for jid, st in active.items():
+                st.done_work = len(read_steps(dirs[jid])) * st.job.base_batch
+            if active and (event or policy.interval_s and now - last_round >= policy.interval_s):
+                last_round = now
+                decisions = policy.schedule(View(now, tuple(active.values()), slots, slots, model))
+                if sum(a.gpus for a in decisions.values()) > slots:
+                    raise SchedulerError(f"policy {policy.name} asked for more than {slots} slots: {decisions}")
+                for jid in _apply(decisions, active, procs, by_id, dirs, out, t0, progress):
+                    out.jct_s[jid] = time.monotonic() - t0 - by_id[jid].job.arrival_s
+                    active.pop(jid)
+            time.sleep(poll_s)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    out.wall_s = time.monotonic() - t0
+    out.steps = {jid: read_steps(d) for jid, d in dirs.items()}
+    return out
+
+
+def _apply(decisions: dict[int, Allocation], active, procs, by_id, dirs, out: RealRun, t0: float,
+           progress: bool) -> list[int]:
+    """Carry out the decisions; returns the jobs that turned out finished when stopped."""
+    finished = []
+    for jid, st in active.items():
+        new = decisions.get(jid)
+        if new == st.alloc:
+            continue
+        if jid in procs:  # stop at the next step boundary; the worker checkpoints
+            (dirs[jid] / "stop").touch()
+            _wait(procs.pop(jid), dirs[jid])
+            (dirs[jid] / "stop").unlink()
+            st.done_work = len(read_steps(dirs[jid])) * st.job.base_batch
+            if st.done_work >= by_id[jid].steps * st.job.base_batch:
+                finished.append(jid)  # it finished while being stopped
+                continue
+        st.alloc = new
+        if new is not None:
+            if new.batch != st.job.base_batch:
+                raise SchedulerError(f"the real run keeps each job's batch; policy gave job {jid} batch {new.batch}")
+            procs[jid] = _launch(by_id[jid], new.gpus, dirs[jid])
+            now = time.monotonic() - t0
+            out.launches.setdefault(jid, []).append((now, new.gpus))
+            if progress:
+                print(f"[real] t={now:6.1f} s job {jid} -> {new.gpus} slots", file=sys.stderr, flush=True)
+    return finished

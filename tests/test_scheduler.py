@@ -1,0 +1,191 @@
+"""Scheduler policies on hand-made workloads whose schedules are known, and the simulator core."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+
+from autopar.scheduler import Allocation, SchedulerError, make_policy, simulate
+from autopar.scheduler.cluster import Cluster
+from autopar.scheduler.efficiency import EfficiencyError, NoiseScaleEfficiency
+from autopar.scheduler.optimus import Optimus, fit_speed_model
+from autopar.scheduler.registry import PolicyError
+from autopar.scheduler.simulator import JobState, View
+from autopar.scheduler.tiresias import Tiresias
+
+from scheduler_fixtures import job, job_model, table
+
+
+def test_single_job_finishes_at_restart_plus_work_over_goodput():
+    m = job_model(restart_s=7.0)
+    r = simulate([job(0, 5.0, 1000.0, gpus=2)], make_policy("fifo"), m, 8)
+    assert r.jct_s[0] == pytest.approx(7.0 + 1000.0)
+    assert r.makespan_s == pytest.approx(1007.0)
+    assert r.utilization == pytest.approx(2 / 8 * 1000 / 1007)
+
+
+def test_fifo_blocks_behind_the_head_and_tiresias_demotes_the_long_job():
+    """A 10-hour 4-GPU job holds a 4-GPU cluster; a 10-minute 4-GPU job arrives at 2 h. FIFO makes
+    it wait for the long job; Tiresias has demoted the long job (28,800 GPU-s > 3,600) and runs the
+    short one first, preempting the long one, which resumes after it."""
+    m = job_model(restart_s=0.0)
+    jobs = [job(0, 0.0, 36000.0, gpus=4), job(1, 7200.0, 600.0, gpus=4)]
+    fifo = simulate(jobs, make_policy("fifo"), m, 4, devices_per_node=4)
+    assert fifo.jct_s[1] == pytest.approx(36000.0 - 7200.0 + 600.0)
+    tir = simulate(jobs, make_policy("tiresias"), m, 4, devices_per_node=4)
+    assert tir.jct_s[1] == pytest.approx(600.0, abs=61.0)  # starts within one 60 s round of arriving
+    assert tir.jct_s[0] > 36000.0 + 600.0 - 1
+    assert tir.restarts == 1
+    assert Tiresias().queue(0.0) == 0 and Tiresias().queue(28800.0) == 1
+
+
+def _view(states, total, m):
+    return View(0.0, tuple(states), total, 8, m)
+
+
+def test_optimus_gives_the_next_gpus_to_the_largest_marginal_gain():
+    m = job_model()
+    # a job that scales (linear) and one that does not (flat), same remaining time at 1 GPU
+    lin, fl = JobState(job(0, 0, 1000.0, 1, "lin")), JobState(job(1, 0, 1000.0, 1, "flat"))
+    out = Optimus().schedule(_view([lin, fl], 4, m))
+    assert out == {0: Allocation(2, 8), 1: Allocation(1, 8)}  # flat gains nothing; lin's next doubling needs 2
+    # two scaling jobs: the one with more remaining work saves more time per GPU added
+    a, b = JobState(job(0, 0, 1000.0, 1)), JobState(job(1, 0, 4000.0, 1))
+    out = Optimus().schedule(_view([a, b], 3, m))  # one spare GPU after the first one each
+    assert out[1].gpus == 2 and out[0].gpus == 1
+    assert all(al.batch == 8 for al in out.values())  # Optimus keeps the requested batch
+
+
+def test_optimus_fits_the_speed_model():
+    ns = [1, 2, 4, 8, 16]
+    a, c, d = fit_speed_model(ns, [2.0 / n + 0.5 + 0.1 * n for n in ns])
+    assert (a, c, d) == pytest.approx((2.0, 0.5, 0.1), rel=1e-6)
+    a, c, d = fit_speed_model(ns, [3.0 / n for n in ns])
+    assert (a, c, d) == pytest.approx((3.0, 0.0, 0.0), abs=1e-9)
+
+
+@dataclass
+class _Recorder:
+    """Wraps a policy; records (view allocations before, decisions) of every round."""
+
+    inner: object
+    rounds: list = field(default_factory=list)
+
+    @property
+    def name(self):
+        return self.inner.name
+
+    @property
+    def interval_s(self):
+        return self.inner.interval_s
+
+    def schedule(self, view):
+        out = self.inner.schedule(view)
+        self.rounds.append(({st.job.job_id: (st.alloc, st.job) for st in view.jobs}, out, view.total_gpus))
+        return out
+
+
+def _workload():
+    return [job(0, 0, 3000.0, 2), job(1, 100, 400.0, 1), job(2, 200, 8000.0, 4, max_gpus=8),
+            job(3, 250, 600.0, 1, "flat"), job(4, 900, 1500.0, 8, max_gpus=8)]
+
+
+def test_ones_never_exceeds_the_cluster_and_follows_its_scaling_rules():
+    m = job_model(restart_s=5.0, noise_scale_ratio=4.0)
+    rec = _Recorder(make_policy("ones", seed=3))
+    result = simulate(_workload(), rec, m, 8)
+    assert len(result.jct_s) == 5
+    grew = False
+    for before, out, total in rec.rounds:
+        assert sum(a.gpus for a in out.values()) <= total
+        for jid, a in out.items():
+            cur, j = before[jid]
+            assert a.gpus & (a.gpus - 1) == 0 and a.gpus <= j.max_gpus
+            assert a.batch == min(j.per_gpu_batch * a.gpus, j.max_batch)  # per-GPU batch x GPUs, capped
+            if cur is None:
+                assert a.gpus <= j.requested_gpus  # (re)starts at most at its request
+            else:
+                assert cur.gpus // 2 <= a.gpus <= 2 * cur.gpus  # doubles or halves at most per round
+                grew |= a.gpus > cur.gpus
+    assert grew  # it does resize jobs
+
+
+def test_ones_scales_a_lone_job_up_by_doubling_and_beats_its_static_run():
+    m = job_model(restart_s=1.0)
+    rec = _Recorder(make_policy("ones"))
+    ones = simulate([job(0, 0, 20000.0, 1, max_gpus=8)], rec, m, 8)
+    sizes = [out[0].gpus for _, out, _ in rec.rounds if 0 in out]
+    assert sizes[:4] == [1, 2, 4, 8]
+    fifo = simulate([job(0, 0, 20000.0, 1, max_gpus=8)], make_policy("fifo"), m, 8)
+    assert ones.jct_s[0] < 0.3 * fifo.jct_s[0]
+
+
+def test_policies_are_deterministic_per_seed():
+    m = job_model(restart_s=5.0, noise_scale_ratio=4.0)
+    for name in ("fifo", "tiresias", "optimus", "ones", "pollux"):
+        a = simulate(_workload(), make_policy(name, seed=1), m, 8)
+        b = simulate(_workload(), make_policy(name, seed=1), m, 8)
+        assert a.jct_s == b.jct_s and a.restarts == b.restarts, name
+
+
+def test_simulator_refuses_an_overcommitting_policy():
+    @dataclass
+    class Greedy:
+        name: str = "greedy"
+        interval_s: float | None = None
+
+        def schedule(self, view):
+            return {st.job.job_id: Allocation(8, 8) for st in view.jobs}
+
+    with pytest.raises(SchedulerError, match="allocated 16 GPUs on a cluster of 8"):
+        simulate([job(0, 0, 10.0), job(1, 0, 10.0)], Greedy(), job_model(), 8)
+    with pytest.raises(SchedulerError, match="requests 16 GPUs"):
+        simulate([job(0, 0, 10.0, 16)], make_policy("fifo"), job_model(), 8)
+    with pytest.raises(PolicyError, match="unknown policy 'onez'"):
+        make_policy("onez")
+
+
+def test_table_interpolates_batches_and_refuses_what_does_not_fit():
+    t = table({"m": lambda n, b: 0.1 + 0.01 * b / n}, batches=(8, 32))
+    p = t.model("m")
+    assert p.step_seconds(2, 16) == pytest.approx(0.1 + 0.01 * 16 / 2)  # affine in the batch: exact
+    assert math.isinf(p.step_seconds(2, 64))  # beyond the largest planned batch
+    assert math.isinf(p.step_seconds(32, 64))  # an unplanned GPU count
+    assert p.samples_per_second(3, 8) == 0.0
+
+
+def test_noise_scale_efficiency():
+    e = NoiseScaleEfficiency(4.0)
+    assert e.efficiency(64, 64) == 1.0
+    assert e.efficiency(128, 64) == pytest.approx((256 + 64) / (256 + 128))
+    assert e.efficiency(512, 64) < e.efficiency(256, 64) < 1
+    assert e.learning_rate(1e-3, 256, 64, 128) == pytest.approx(2e-3)
+    with pytest.raises(EfficiencyError):
+        NoiseScaleEfficiency(0.0)
+
+
+def test_placement_best_fit_then_span():
+    c = Cluster.with_gpus(16)
+    assert c.place(4) == ((0, 4),)
+    assert c.place(2) == ((0, 2),)  # the fuller node that still fits
+    assert c.place(8) == ((1, 8),)
+    assert c.place(2) == ((0, 2),)
+    c2 = Cluster(2, 8, [3, 3])
+    assert sorted(c2.place(4)) == [(0, 3), (1, 1)]  # no node holds 4: the job spans
+
+
+def test_pollux_picks_the_goodput_maximizing_batch():
+    """A fixed 50 ms per step makes larger batches faster per sample; whether Pollux takes them
+    depends on the statistical efficiency (the noise scale)."""
+    from autopar.scheduler.pollux import Pollux
+
+    fns = {"lin": lambda n, b: 0.05 + 0.01 * b / n}
+    st = JobState(job(0, 0, 1000.0, 1, batch_cap=8))
+    big = Pollux().schedule(_view([st], 1, job_model(fns, noise_scale_ratio=1e9)))
+    assert big == {0: Allocation(1, 64)}  # efficiency ~1: the cap
+    small = Pollux().schedule(_view([st], 1, job_model(fns, noise_scale_ratio=0.01)))
+    assert small == {0: Allocation(1, 8)}  # efficiency falls as 1/batch: the base batch
+    two = Pollux().schedule(_view([st, JobState(job(1, 5, 1000.0, 1))], 3, job_model(fns, noise_scale_ratio=1e9)))
+    assert sorted(a.gpus for a in two.values()) == [1, 2]  # both run; the spare GPU doubles one
