@@ -88,6 +88,7 @@ def format_report(plan: Plan, max_rows: int = 40) -> str:
         "bytes sent / device   " + (", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in sorted(plan.comm_bytes.items()))
                                   or ("between stages: below; inside a stage: its own plan" if plan.pipeline
                                       else "none")),
+        "activation recompute  " + (", ".join(f"{p} (every block, full)" for p in plan.recompute) or "none"),
         *_parallelism_lines(plan),
         *_pipeline_lines(plan),
         "",

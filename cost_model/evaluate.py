@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from .comm import bytes_sent_per_rank, collective_s
 from .fsdp_pricing import fsdp_fusions
 from .problem import Problem, partial_grad_axes
+from .recompute import recompute_effect, recomputed_keys
 from .reshard import reshard_steps, transitions
 
 __all__ = ["Prediction", "evaluate", "shared_reshards"]
@@ -94,7 +95,7 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
         fwd, bwd = reshard_steps(a, b, e.total_bytes, mesh, e.needs_grad)
         for step in fwd + bwd:
             sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * copies
-    fused, regathers = fsdp_fusions(problem, choice)  # ZeRO-3 as runtime.fsdp runs it
+    fused, regathers = fsdp_fusions(problem, choice, recomputed_keys(problem, choice))  # ZeRO-3 as runtime.fsdp runs it
     for step, count in regathers:
         comm_s += collective_s(step.collective, step.nbytes, mesh.sizes[step.axis], mesh.links[step.axis]) * count
         sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * count
@@ -107,4 +108,8 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
             n, link = mesh.sizes[g.axis], mesh.links[g.axis]
             comm_s += g.seconds * count / g.count if kind == "all_reduce" else collective_s(kind, g.nbytes, n, link) * count
             sent[kind] += bytes_sent_per_rank(kind, g.nbytes, n) * count
+    rc_compute_s, rc_comm_s, rc_saved_b, rc_sent = recompute_effect(problem, choice, shared)  # recomputed blocks
+    node_s, comm_s, acts_b = node_s + rc_compute_s, comm_s + rc_comm_s, acts_b - rc_saved_b
+    for kind, nbytes in rc_sent.items():
+        sent[kind] += nbytes
     return Prediction(node_s + comm_s, node_s, comm_s, params_b, acts_b, dict(sent))
