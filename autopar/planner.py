@@ -329,7 +329,8 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
          hardware: str | Hardware = "a100-80gb", mesh: str | MeshSpec | None = None, strategy: str = "auto",
          memory_budget_bytes: float | None = None, optimizer: str = "adamw", mixed_precision: bool | None = None,
          example_kwargs: dict | None = None, model_name: str | None = None, time_limit_s: float = 60.0,
-         baselines: bool = True, progress: bool = False, pipeline: bool = True, recompute: str = "auto") -> Plan:
+         baselines: bool = True, progress: bool = False, pipeline: bool = True, recompute: str = "auto",
+         offload: bool = False) -> Plan:
     """Plan training ``model`` on ``n_gpus`` devices of ``hardware`` (see module doc).
 
     ``mesh`` pins the mesh (``"dp=2,tp=4"``); ``strategy`` pins a family (one of
@@ -337,6 +338,8 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     ``pipeline=False`` keeps ``auto`` from choosing pipeline stages (``autopar.pipeline_search``).
     ``recompute`` is ``"auto"`` (the ILP decides per run of repeated blocks whether to recompute
     its activations), ``"full"`` (every block recomputed) or ``"none"`` (``cost_model.recompute``).
+    ``offload=True`` keeps optimizer state in host memory and steps it there (``cost_model.offload``;
+    planned only: the runtime does not run it yet).
     """
     t0 = _T0[0] = time.perf_counter()
     if not isinstance(n_gpus, int) or n_gpus < 1:
@@ -347,7 +350,8 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     # bf16 mixed precision by default where low-precision math is faster (GPUs), fp32 where it
     # is not (CPUs, a calibrated CPU profile included)
     default_mp = hw.peak_flops > 1.5 * hw.peak_flops_fp32
-    train = TrainingSpec(optimizer, default_mp if mixed_precision is None else mixed_precision, recompute)
+    train = TrainingSpec(optimizer, default_mp if mixed_precision is None else mixed_precision, recompute,
+                         bool(offload))
     budget = float(memory_budget_bytes) if memory_budget_bytes is not None else float(hw.memory_bytes)
     gm = model if isinstance(model, fx.GraphModule) else trace(model, example_inputs, example_kwargs,
                                                                  stack_traces=False)
@@ -600,5 +604,5 @@ def _to_plan(gm, best: _Solved, hw, train, budget, strategy, baseline_results, n
         solver=SolverStats(r.solver, r.status, r.seconds, r.objective_s, r.lower_bound_s, r.n_variables,
                            r.n_constraints, n_solved, seconds, search_note),
         baselines=tuple(baseline_results), nodes=tuple(nodes), graph_fingerprint=graph_fingerprint(gm),
-        recompute=chosen_recompute(problem, choice), _problem=problem, _choice=dict(choice),
+        recompute=chosen_recompute(problem, choice), host_bytes=p.host_bytes, _problem=problem, _choice=dict(choice),
     )

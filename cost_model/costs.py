@@ -50,6 +50,9 @@ class TrainingSpec:
     # Activation recompute of repeated blocks (cost_model/recompute.py): "none", "full" (pinned)
     # or "auto" (the ILP chooses per block run)
     recompute: str = "auto"
+    # ZeRO-Offload: optimizer state and fp32 master weights in host memory, the step on the host
+    # CPU (cost_model/offload.py)
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATE_BYTES:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from .comm import bytes_sent_per_rank, collective_s
 from .fsdp_pricing import fsdp_fusions
 from .problem import Problem, partial_grad_axes
+from .offload import host_bytes
 from .recompute import recompute_effect, recomputed_keys
 from .reshard import reshard_steps, transitions
 
@@ -58,6 +59,7 @@ class Prediction:
     param_state_bytes: float  # weights + gradients + optimizer state
     activation_bytes: float
     comm_bytes: dict[str, float] = field(default_factory=dict)  # collective -> bytes sent per device per step
+    host_bytes: float = 0.0  # ZeRO-Offload: optimizer state in host memory, per device (not in the peak)
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -112,4 +114,4 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
     node_s, comm_s, acts_b = node_s + rc_compute_s, comm_s + rc_comm_s, acts_b - rc_saved_b
     for kind, nbytes in rc_sent.items():
         sent[kind] += nbytes
-    return Prediction(node_s + comm_s, node_s, comm_s, params_b, acts_b, dict(sent))
+    return Prediction(node_s + comm_s, node_s, comm_s, params_b, acts_b, dict(sent), host_bytes(problem, choice))

@@ -24,7 +24,8 @@ Constraints, each added by the function named:
 * ``recompute``      (:func:`_add_recompute`): r_k in {0,1} recomputes block run k; w_{d,i} =
   x_{d,i} r_k for its decisions (sum_i w_{d,i} = r_k, w_{d,i} <= x_{d,i}) and edges, costing the
   forward again (F_{d,i} w_{d,i}) and saving activation memory (-S_{d,i} w_{d,i} in ``memory``);
-* ``memory``         (:func:`_add_memory`): sum_{d,i} M_{d,i} x_{d,i} - sum S w <= budget bytes.
+* ``memory``         (:func:`_add_memory`): sum_{d,i} M_{d,i} x_{d,i} - sum S w <= budget bytes;
+* ``host_memory``    (:func:`_add_host_memory`, offload only): sum_{d,i} H_{d,i} x_{d,i} <= host bytes.
 
 The model is built once as a sparse matrix (:class:`_Model`) and handed to HiGHS through
 ``highspy`` directly; PuLP with CBC is the fallback. (Building the same model through PuLP's
@@ -207,6 +208,15 @@ def _add_memory(m: _Model, problem: Problem, x, budget_bytes: float | None,
     m.row("memory", coeffs, -float("inf"), budget_bytes * _MEMORY_SCALE)
 
 
+def _add_host_memory(m: _Model, problem: Problem, x) -> None:
+    """ZeRO-Offload: the host bytes of the parameters' options under the host's memory."""
+    if problem.host is None:
+        return
+    coeffs = [(x[k][i], b * _MEMORY_SCALE) for k, per_option in problem.host.per_option.items()
+              for i, b in enumerate(per_option) if b]
+    m.row("host_memory", coeffs, -float("inf"), problem.host.budget_bytes * _MEMORY_SCALE)
+
+
 def min_memory_bytes(problem: Problem) -> float:
     """A lower bound on any plan's memory: the least memory option of every decision (less
     what recomputing its block would save)."""
@@ -326,6 +336,7 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     _add_syncs(m, problem, x)
     r_cols, recompute_memory = _add_recompute(m, problem, x, edge_cols)
     _add_memory(m, problem, x, memory_budget_bytes, edge_memory + recompute_memory)
+    _add_host_memory(m, problem, x)
     backends = {"highs": _solve_highs, "cbc": _solve_cbc}
     order = [solver] + [s for s in backends if s != solver]
     result, used, errors = None, None, []

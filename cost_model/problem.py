@@ -46,8 +46,9 @@ from .algorithms import ring_attention_steps, sharded_norm_steps, summa_steps
 from .saved_inputs import saves_input
 from .buckets import bucketed_all_reduce_s
 from .comm import all_reduce_s
-from .costs import TrainingSpec, activation_bytes, compute_seconds, param_state_bytes
+from .costs import TrainingSpec, activation_bytes, compute_seconds
 from .hardware import Hardware
+from .offload import add_host_memory, param_option_cost
 from .recompute import add_recompute
 from .reshard import CommStep, reshard_seconds, reshard_steps, steps_seconds
 
@@ -149,6 +150,7 @@ class Problem:
     needs_grad: dict[str, bool] = field(default_factory=dict)  # node name -> it needs a gradient
     # Activation recompute of repeated blocks the ILP may choose (cost_model/recompute.py)
     recompute: list = field(default_factory=list)
+    host: Any = None  # ZeRO-Offload: host bytes per parameter option (cost_model/offload.HostMemory)
 
     def strategy_of(self, name: str, choice: dict[str, int]) -> Strategy:
         """The strategy node ``name`` runs under a solved ``choice``."""
@@ -467,10 +469,9 @@ class _Builder:
     def option_cost(self, n: fx.Node, st: Strategy, zero_axes, is_param: bool) -> tuple[float, float]:
         mesh, hw, train = self.mesh, self.hw, self.train
         if is_param:
-            mem = param_state_bytes(n.meta["val"].numel(), st.output, mesh, train, zero_axes)
-            # The optimizer step streams weights, gradients and state once. ZeRO-2's collectives
-            # are added by add_root (zero2_steps).
-            sec = mem / (hw.efficiency * hw.memory_bandwidth_bytes_per_s)
+            # the optimizer step, on the device or (offload) on the host: cost_model/offload.py.
+            # ZeRO-2's collectives are added by add_root (zero2_steps).
+            sec, mem, _ = param_option_cost(n.meta["val"].numel(), st.output, mesh, hw, train, zero_axes)
             return sec, mem
         if n.op in ("placeholder", "get_attr"):
             return 0.0, _tensor_bytes(n.meta["val"], train) * st.output.local_fraction(mesh)
@@ -665,4 +666,5 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: Train
     problem = builder.build()
     # block runs the ILP may recompute (cost_model/recompute.py); their forward runs again
     add_recompute(problem, hw, train, lambda n, st: builder.algorithm_steps(n, st, backward=False))
+    add_host_memory(problem, hw, train)  # ZeRO-Offload's host bytes (cost_model/offload.py)
     return problem
