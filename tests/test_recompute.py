@@ -135,3 +135,18 @@ def test_recompute_lowers_the_activations_kept_as_predicted(results, name, famil
     measured = keep["kept_bytes"] - full["kept_bytes"]
     predicted = keep["predicted_activation_bytes"] - full["predicted_activation_bytes"]
     assert measured > 0.5 * predicted, (measured, predicted)
+
+
+def test_pipeline_stages_recompute_hold_only_block_inputs_in_flight():
+    from autopar.models.gpt import GPTConfig, gpt
+
+    model, inputs = gpt(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=128, block_size=64), batch_size=8,
+                        seq_len=64)
+    kw = dict(mesh="pp=2,dp=2", hardware="a100-80gb", mixed_precision=False, baselines=False)
+    keep = autopar.plan(model, 4, inputs, recompute="none", **kw)
+    full = autopar.plan(model, 4, inputs, recompute="full", **kw)
+    assert keep.recompute == () and not keep.pipeline.recompute
+    assert full.recompute == ("blocks",) and full.pipeline.recompute
+    assert full.activation_bytes < 0.5 * keep.activation_bytes
+    assert full.param_state_bytes == pytest.approx(keep.param_state_bytes)  # same layouts, recomputed
+    assert autopar.Plan.from_json(full.to_json()).pipeline.recompute
