@@ -189,7 +189,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     model, example_inputs = _load_model(args.model, args.batch, args.seq, "meta")
     result = plan(model, args.gpus, example_inputs, hardware=args.hardware, mesh=args.mesh,
                   strategy=args.strategy, memory_budget_bytes=budget, optimizer=args.optimizer,
-                  model_name=args.model, progress=not args.quiet, baselines=not args.no_baselines)
+                  model_name=args.model, progress=not args.quiet, baselines=not args.no_baselines,
+                  recompute=args.recompute, offload=args.offload)
     print(format_report(result))
     if args.json:
         result.to_json(args.json)
@@ -283,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default=None, help="per-device budget, e.g. 40GB (default: device memory)")
     p.add_argument("--optimizer", default="adamw",
                    help="adamw (default), adam, sgd, lamb, lars (lamb/lars: prices their norm all-reduces)")
+    p.add_argument("--recompute", default="auto", choices=("auto", "none", "full"),
+                   help="activation recompute of repeated blocks: the planner's choice (auto, default), "
+                        "none, or every block (full)")
+    p.add_argument("--offload", action="store_true",
+                   help="ZeRO-Offload: optimizer state and fp32 master weights in host memory (planned only)")
     p.add_argument("--json", default=None, help="write the plan as JSON to this path")
     p.add_argument("--html", default=None, help="also write a self-contained HTML report (inline SVG plots) here")
     p.add_argument("--no-baselines", action="store_true", help="skip pricing the baselines")

@@ -36,6 +36,7 @@ class PipelineInfo:
     bubble_seconds: float
     p2p_bytes_per_step: float  # sent by one device on the busiest stage boundary
     stages: tuple[PipelineStageInfo, ...]  # per device position on the pp axis
+    recompute: bool = False  # every block's activations recomputed (its input kept only)
 
     def to_dict(self) -> dict[str, Any]:
         return {"n_stages": self.n_stages, "schedule": self.schedule, "n_microbatches": self.n_microbatches,
@@ -45,7 +46,8 @@ class PipelineInfo:
                 "p2p_bytes_per_step": self.p2p_bytes_per_step,
                 "stages": [{"index": s.index, "first_block": s.first_block, "n_blocks": s.n_blocks,
                             "extras": s.extras, "seconds_per_microbatch": s.seconds_per_microbatch,
-                            "peak_memory_bytes": s.peak_memory_bytes} for s in self.stages]}
+                            "peak_memory_bytes": s.peak_memory_bytes} for s in self.stages],
+                "recompute": self.recompute}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "PipelineInfo":
@@ -54,4 +56,4 @@ class PipelineInfo:
                    float(d["bubble_fraction"]), float(d["bubble_seconds"]), float(d["p2p_bytes_per_step"]),
                    tuple(PipelineStageInfo(int(s["index"]), int(s["first_block"]), int(s["n_blocks"]), s["extras"],
                                            float(s["seconds_per_microbatch"]), float(s["peak_memory_bytes"]))
-                         for s in d["stages"]))
+                         for s in d["stages"]), bool(d.get("recompute", False)))

@@ -27,6 +27,8 @@ their layouts rarely shard parameters).
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +36,8 @@ import torch.fx as fx
 
 from autopar.cost_model.hardware import Hardware
 from autopar.cost_model.pipeline import StageCost, activations_in_flight, pipeline_cost
+from autopar.cost_model.problem import build_problem
+from autopar.cost_model.recompute import recompute_effect, recompute_transient_bytes, recomputed_keys
 from autopar.cost_model.comm import collective_s
 from autopar.cost_model.costs import TrainingSpec
 from autopar.cost_model.evaluate import shared_reshards
@@ -70,9 +74,8 @@ class _Part:
         return (self.batch_seconds, self.use_seconds, self.step_seconds, self.param_bytes, self.act_bytes)
 
 
-def _split_costs(plan: Plan) -> _Part:
-    """The plan's predicted costs split as _Part says (the same terms evaluate() adds up)."""
-    problem, choice = plan._problem, plan._choice
+def _split_costs(problem, choice: dict) -> _Part:
+    """A solved problem's predicted costs split as _Part says (the same terms evaluate() adds up)."""
     mesh = problem.mesh
     batch = use = step = params = acts = 0.0
     for key, d in problem.decisions.items():
@@ -92,7 +95,7 @@ def _split_costs(plan: Plan) -> _Part:
             use += seconds
         else:
             batch += seconds
-    fused, regathers = fsdp_fusions(problem, choice)  # ZeRO-3 as runtime.fsdp runs it, per micro-batch
+    fused, regathers = fsdp_fusions(problem, choice, recomputed_keys(problem, choice))  # ZeRO-3, per micro-batch
     for st, count in regathers:
         use += collective_s(st.collective, st.nbytes, mesh.sizes[st.axis], mesh.links[st.axis]) * count
     for g in problem.syncs:
@@ -106,7 +109,8 @@ def _split_costs(plan: Plan) -> _Part:
                 step += g.seconds * count / g.count
             else:
                 batch += g.seconds * count / g.count
-    return _Part(batch, use, step, params, acts)
+    rc_compute, rc_comm, rc_saved, _ = recompute_effect(problem, choice, shared)  # recomputed blocks
+    return _Part(batch + rc_compute + rc_comm, use, step, params, acts - rc_saved)
 
 
 def _boundary_bytes(gm: fx.GraphModule, train: TrainingSpec) -> tuple[float, float]:
@@ -134,6 +138,8 @@ class _SubMesh:
     grad_bytes: float
     batch: int  # the batch the parts were priced for
     nodes: tuple  # NodePlans of the three pieces (the layouts inside a stage)
+    block_rc: _Part | None = None  # one block recomputed: keeps its input only (cost_model/recompute.py)
+    transient_bytes: float = 0.0  # one recomputed block's activations, alive during its backward
 
 
 def _price_submesh(pieces, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: TrainingSpec,
@@ -146,11 +152,18 @@ def _price_submesh(pieces, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: T
                            time_limit_s=time_limit_s, model_name="stage") for g in pieces]
     except AutoparError:  # the batch does not divide on this mesh, or the like
         return None
-    first, middle, last = (_split_costs(p) for p in plans)
+    first, middle, last = (_split_costs(p._problem, p._choice) for p in plans)
     block = middle.scale(1.0 / (n_blocks - 2))
     send, grad = _boundary_bytes(pieces[0], train)
     nodes = tuple(n for p in plans for n in p.nodes)
-    return _SubMesh(mesh, first - block, block, last - block, send, grad, batch, nodes)
+    block_rc, transient = None, 0.0
+    if train.recompute != "none":  # the same layouts with every middle block recomputed
+        rc_problem = build_problem(pieces[1], mesh, hw, dataclasses.replace(train, recompute="full"))
+        rc_choice = {**plans[1]._choice, **{t.key: 1 for t in rc_problem.recompute}}
+        transient = recompute_transient_bytes(rc_problem, rc_choice)
+        rc_part = _split_costs(rc_problem, rc_choice)
+        block_rc = (rc_part - _Part(act_bytes=transient)).scale(1.0 / (n_blocks - 2))
+    return _SubMesh(mesh, first - block, block, last - block, send, grad, batch, nodes, block_rc, transient)
 
 
 @dataclass(frozen=True)
@@ -164,8 +177,8 @@ class PipelineChoice:
     activation_bytes: float
 
 
-def _stage_part(sub: _SubMesh, n: int, first: bool, last: bool) -> _Part:
-    part = sub.block.scale(n)
+def _stage_part(sub: _SubMesh, n: int, first: bool, last: bool, rc: bool = False) -> _Part:
+    part = (sub.block_rc if rc else sub.block).scale(n)
     if first:
         part = part + sub.embed
     if last:
@@ -173,25 +186,28 @@ def _stage_part(sub: _SubMesh, n: int, first: bool, last: bool) -> _Part:
     return part
 
 
-def _stage_cost(part: _Part, m: int, sub: _SubMesh, last: bool, first: bool) -> StageCost:
+def _stage_cost(part: _Part, m: int, sub: _SubMesh, last: bool, first: bool, rc: bool = False) -> StageCost:
     return StageCost(seconds=part.batch_seconds / m + part.use_seconds, param_state_bytes=part.param_bytes,
                      activation_bytes=part.act_bytes / m, send_bytes=0.0 if last else sub.send_bytes / m,
-                     send_grad_bytes=0.0 if first else sub.grad_bytes / m)
+                     send_grad_bytes=0.0 if first else sub.grad_bytes / m,
+                     transient_bytes=sub.transient_bytes / m if rc else 0.0)
 
 
-def _balance(sub: _SubMesh, p: int, m: int, schedule: str, n_blocks: int, budget: float) -> tuple[int, ...] | None:
+def _balance(sub: _SubMesh, p: int, m: int, schedule: str, n_blocks: int, budget: float, rc: bool = False
+             ) -> tuple[int, ...] | None:
     """Blocks per stage minimizing the slowest stage's micro-batch time, every stage within
     ``budget`` (see module doc); None if no split fits."""
     def stage_time(n: int, k: int) -> float:
-        return _stage_part(sub, n, k == 0, k == p - 1).batch_seconds / m + \
-            _stage_part(sub, n, k == 0, k == p - 1).use_seconds
+        return _stage_part(sub, n, k == 0, k == p - 1, rc).batch_seconds / m + \
+            _stage_part(sub, n, k == 0, k == p - 1, rc).use_seconds
 
     def mem_cap(k: int) -> int:
         flight = activations_in_flight(schedule, p, m, k)
         lo = 0
         for n in range(1, n_blocks - p + 2):
-            part = _stage_part(sub, n, k == 0, k == p - 1)
-            if part.param_bytes + flight * part.act_bytes / m > budget:
+            part = _stage_part(sub, n, k == 0, k == p - 1, rc)
+            transient = sub.transient_bytes / m if rc else 0.0
+            if part.param_bytes + flight * part.act_bytes / m + transient > budget:
                 break
             lo = n
         return lo
@@ -227,11 +243,11 @@ def _balance(sub: _SubMesh, p: int, m: int, schedule: str, n_blocks: int, budget
 
 
 def _compose(sub: _SubMesh, counts: tuple[int, ...], p: int, m: int, v: int, schedule: str, hw: Hardware,
-             prefix: str, budget: float) -> PipelineChoice | None:
+             prefix: str, budget: float, rc: bool = False) -> PipelineChoice | None:
     link = hw.mesh_spec(("pp", *sub.mesh.axes), (p, *sub.mesh.sizes)).links[0]
     n_chunks = p * v
-    parts = [_stage_part(sub, n, s == 0, s == n_chunks - 1) for s, n in enumerate(counts)]
-    costs = [_stage_cost(part, m, sub, s == n_chunks - 1, s == 0) for s, part in enumerate(parts)]
+    parts = [_stage_part(sub, n, s == 0, s == n_chunks - 1, rc) for s, n in enumerate(counts)]
+    costs = [_stage_cost(part, m, sub, s == n_chunks - 1, s == 0, rc) for s, part in enumerate(parts)]
     pc = pipeline_cost(costs, schedule, m, link, v)
     # once per step, after the pipeline drains: optimizer and parameter gradient syncs
     after = max(sum(parts[k + j * p].step_seconds for j in range(v)) for k in range(p))
@@ -248,7 +264,7 @@ def _compose(sub: _SubMesh, counts: tuple[int, ...], p: int, m: int, v: int, sch
         stages.append(PipelineStageInfo(k, starts[k], sum(counts[s] for s in mine), extras,
                                         pc.stage_seconds[k], pc.stage_memory_bytes[k]))
     info = PipelineInfo(p, schedule, m, v, str(sub.mesh), prefix, tuple(counts), pc.bubble_fraction,
-                        pc.bubble_seconds, pc.p2p_bytes_per_step, tuple(stages))
+                        pc.bubble_seconds, pc.p2p_bytes_per_step, tuple(stages), rc)
     return PipelineChoice(pc.step_seconds + after, pc.peak_memory_bytes, info, sub, link, worst[1], worst[2])
 
 
@@ -290,17 +306,18 @@ def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: Traini
             sub = _price_submesh(pieces, mesh, n_blocks, hw, train, time_limit_s, batch)
             if sub is None:
                 continue
-            for m in _microbatch_counts(batch, p, mesh):
+            rcs = {"none": (False,), "full": (True,), "auto": (False, True)}[train.recompute]
+            for m, rc in ((m, rc) for m in _microbatch_counts(batch, p, mesh) for rc in rcs):
                 for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)):
                     if v > 1 and (n_blocks % (p * v) or m % p):
                         continue
                     if v == 1:
-                        counts = _balance(sub, p, m, schedule, n_blocks, budget)
+                        counts = _balance(sub, p, m, schedule, n_blocks, budget, rc)
                     else:
                         counts = (n_blocks // (p * v),) * (p * v)
                     if counts is None:
                         continue
-                    got = _compose(sub, counts, p, m, v, schedule, hw, prefix, budget)
+                    got = _compose(sub, counts, p, m, v, schedule, hw, prefix, budget, rc)
                     if got is not None and (best is None or got.step_seconds < best.step_seconds):
                         best = got
         if progress:
@@ -348,7 +365,8 @@ def pipeline_plan(choice: PipelineChoice, gm: fx.GraphModule, n_gpus: int, hw: H
                 step_seconds=choice.step_seconds, compute_seconds=choice.step_seconds - choice.info.bubble_seconds,
                 comm_seconds=0.0, param_state_bytes=choice.param_bytes, activation_bytes=choice.activation_bytes,
                 comm_bytes={}, solver=stats, baselines=tuple(baselines), nodes=sub.nodes,
-                graph_fingerprint=graph_fingerprint(gm), pipeline=choice.info)
+                graph_fingerprint=graph_fingerprint(gm), pipeline=choice.info,
+                recompute=(choice.info.block_prefix,) if choice.info.recompute else ())
 
 
 def pinned_pipeline_plan(gm: fx.GraphModule, n_gpus: int, mesh: str | MeshSpec | None, hw: Hardware,

@@ -89,6 +89,11 @@ class Plan:
     graph_fingerprint: str = ""
     # Pipeline stages, schedule and bubble (autopar.pipeline_search), or None: no pipeline.
     pipeline: PipelineInfo | None = None
+    # Runs of repeated blocks (container paths, e.g. "blocks") whose activations are recomputed
+    # in backward (cost_model/recompute.py; the runtime checkpoints them: passes/recompute_regions.py)
+    recompute: tuple[str, ...] = ()
+    # ZeRO-Offload (cost_model/offload.py): optimizer state per device kept in host memory
+    host_bytes: float = 0.0
     # The priced problem and the choice, kept in memory for explain(); not serialized.
     _problem: Any = field(default=None, repr=False, compare=False)
     _choice: Any = field(default=None, repr=False, compare=False)
@@ -140,6 +145,8 @@ class Plan:
                        "input_layouts": list(n.input_layouts), "zero_axes": list(n.zero_axes),
                        "shares_with": n.shares_with, "follows": n.follows} for n in self.nodes],
             "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
+            "recompute": list(self.recompute),
+            "host_bytes_per_device": self.host_bytes,
         }
 
     def to_json(self, path: str | None = None, indent: int = 1) -> str:
@@ -209,6 +216,8 @@ class Plan:
                                  tuple(n.get("input_layouts", ())), tuple(n.get("zero_axes", ())),
                                  n.get("shares_with", ""), n.get("follows", "")) for n in d["nodes"]),
             graph_fingerprint=str(d.get("graph_fingerprint", "")),
+            recompute=tuple(str(x) for x in d.get("recompute", ())),
+            host_bytes=float(d.get("host_bytes_per_device", 0.0)),
             pipeline=PipelineInfo.from_dict(d["pipeline"]) if d.get("pipeline") else None,
         )
 

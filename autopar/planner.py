@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -32,6 +33,7 @@ from .cost_model.evaluate import Prediction, evaluate
 from .cost_model.hardware import Hardware, get_hardware
 from .cost_model.ilp import InfeasibleBudgetError, SolveResult, solve
 from .cost_model.problem import PinError, Problem, build_problem
+from .cost_model.recompute import chosen_recompute
 from .errors import AutoparError, format_bytes
 from .plan_arguments import check_plan_arguments
 from .mesh import MeshSpec
@@ -328,12 +330,17 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
          hardware: str | Hardware = "a100-80gb", mesh: str | MeshSpec | None = None, strategy: str = "auto",
          memory_budget_bytes: float | None = None, optimizer: str = "adamw", mixed_precision: bool | None = None,
          example_kwargs: dict | None = None, model_name: str | None = None, time_limit_s: float = 60.0,
-         baselines: bool = True, progress: bool = False, pipeline: bool = True) -> Plan:
+         baselines: bool = True, progress: bool = False, pipeline: bool = True, recompute: str = "auto",
+         offload: bool = False) -> Plan:
     """Plan training ``model`` on ``n_gpus`` devices of ``hardware`` (see module doc).
 
     ``mesh`` pins the mesh (``"dp=2,tp=4"``); ``strategy`` pins a family (one of
     ``STRATEGY_FAMILIES``); ``memory_budget_bytes`` defaults to the device's capacity.
     ``pipeline=False`` keeps ``auto`` from choosing pipeline stages (``autopar.pipeline_search``).
+    ``recompute`` is ``"auto"`` (the ILP decides per run of repeated blocks whether to recompute
+    its activations), ``"full"`` (every block recomputed) or ``"none"`` (``cost_model.recompute``).
+    ``offload=True`` keeps optimizer state in host memory and steps it there (``cost_model.offload``;
+    planned only: the runtime does not run it yet).
     """
     t0 = _T0[0] = time.perf_counter()
     check_plan_arguments(model, n_gpus, memory_budget_bytes, model_name)
@@ -343,7 +350,8 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     # bf16 mixed precision by default where low-precision math is faster (GPUs), fp32 where it
     # is not (CPUs, a calibrated CPU profile included)
     default_mp = hw.peak_flops > 1.5 * hw.peak_flops_fp32
-    train = TrainingSpec(optimizer, default_mp if mixed_precision is None else mixed_precision)
+    train = TrainingSpec(optimizer, default_mp if mixed_precision is None else mixed_precision, recompute,
+                         bool(offload))
     budget = float(memory_budget_bytes) if memory_budget_bytes is not None else float(hw.memory_bytes)
     gm = model if isinstance(model, fx.GraphModule) else trace(model, example_inputs, example_kwargs,
                                                                  stack_traces=False)
@@ -365,7 +373,10 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     else:
         candidates = _family_meshes(strategy, n_gpus, hw)
     with_baselines = baselines and n_gpus > 1
-    helper = (_Helper(gm, candidates, hw, train, budget, time_limit_s, progress, n_gpus, with_baselines)
+    # recompute="auto" enters the search where memory is tight, as ZeRO-2 does (_search_with_zero2):
+    # the helper's bounds and the baselines are searched without it
+    first_train = dataclasses.replace(train, recompute="none") if train.recompute == "auto" else train
+    helper = (_Helper(gm, candidates, hw, first_train, budget, time_limit_s, progress, n_gpus, with_baselines)
               if with_baselines or len(candidates) > 1 else None)
     try:
         best, n_solved, search_note = _search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
@@ -412,10 +423,12 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
 
 
 def _search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress, helper):
-    """The mesh search without ZeRO-2 options, then, where memory is tight (no plan fits, or the
-    best one uses over 90% of the budget), again with them; the faster plan wins."""
+    """The mesh search without ZeRO-2 options (nor recompute, under ``recompute="auto"``), then,
+    where memory is tight (no plan fits, or the best one uses over 90% of the budget), again
+    with them; the faster plan wins, so they never make a plan slower."""
     def run(zero2: bool, helper, meshes):
-        return _search(gm, meshes, hw, train, budget, time_limit_s, progress, helper=helper, zero2=zero2)
+        spec = train if zero2 or train.recompute != "auto" else dataclasses.replace(train, recompute="none")
+        return _search(gm, meshes, hw, spec, budget, time_limit_s, progress, helper=helper, zero2=zero2)
 
     error = None
     try:
@@ -427,7 +440,8 @@ def _search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress
         # is too slow to try every time (6 s for gpt2 on one mesh), and the zero2 baseline
         # catches the cases where it is faster (plan() never returns a slower plan).
         return best, n_solved, note
-    _progress(progress, "memory is tight: searching again with ZeRO-2 (split gradients and optimizer state)")
+    _progress(progress, "memory is tight: searching again with ZeRO-2 (split gradients and optimizer state)"
+                        + (" and activation recompute" if train.recompute == "auto" else ""))
     meshes = candidates
     try:
         again, n_again, note_again = run(True, None, meshes)
@@ -590,5 +604,5 @@ def _to_plan(gm, best: _Solved, hw, train, budget, strategy, baseline_results, n
         solver=SolverStats(r.solver, r.status, r.seconds, r.objective_s, r.lower_bound_s, r.n_variables,
                            r.n_constraints, n_solved, seconds, search_note),
         baselines=tuple(baseline_results), nodes=tuple(nodes), graph_fingerprint=graph_fingerprint(gm),
-        _problem=problem, _choice=dict(choice),
+        recompute=chosen_recompute(problem, choice), host_bytes=p.host_bytes, _problem=problem, _choice=dict(choice),
     )

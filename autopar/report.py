@@ -88,6 +88,9 @@ def format_report(plan: Plan, max_rows: int = 40) -> str:
         "bytes sent / device   " + (", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in sorted(plan.comm_bytes.items()))
                                   or ("between stages: below; inside a stage: its own plan" if plan.pipeline
                                       else "none")),
+        "activation recompute  " + (", ".join(f"{p} (every block, full)" for p in plan.recompute) or "none"),
+        *([f"host memory / device  {_gib(plan.host_bytes)}  (optimizer state and fp32 master weights offloaded; "
+           f"the step runs on the host)"] if plan.host_bytes else []),
         *_parallelism_lines(plan),
         *_pipeline_lines(plan),
         "",

@@ -23,19 +23,21 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from autopar.errors import BadArgumentError
+from autopar.errors import AutoparError, BadArgumentError
 from autopar.mesh import MeshSpec
 from autopar.strategy import Layout, Strategy
 
 from .hardware import Hardware
 
 __all__ = ["TrainingSpec", "node_flops", "compute_seconds", "activation_bytes", "param_state_bytes",
-           "is_view", "OPTIMIZER_STATE_BYTES"]
+           "is_view", "OPTIMIZER_STATE_BYTES", "RECOMPUTE_MODES"]
 
 aten = torch.ops.aten
 
 # Bytes of optimizer state per parameter element (fp32 moments): Adam/AdamW keep two, SGD
 # with momentum one. Mixed precision adds an fp32 master copy (ZeRO paper, arXiv 1910.02054).
+RECOMPUTE_MODES = ("none", "full", "auto")
+
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "lamb": 8, "lars": 4}
 
 
@@ -45,11 +47,21 @@ class TrainingSpec:
 
     optimizer: str = "adamw"
     mixed_precision: bool = True  # bf16 compute/activations/params, fp32 master weights
+    # Activation recompute of repeated blocks (cost_model/recompute.py): "none", "full" (pinned)
+    # or "auto" (the ILP chooses per block run)
+    recompute: str = "auto"
+    # ZeRO-Offload: optimizer state and fp32 master weights in host memory, the step on the host
+    # CPU (cost_model/offload.py)
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise BadArgumentError(
                 f"unknown optimizer {self.optimizer!r}; pick one of {', '.join(OPTIMIZER_STATE_BYTES)}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise AutoparError(f"recompute={self.recompute!r} is not a recompute mode; pick one of "
+                               f"{', '.join(RECOMPUTE_MODES)} ('full' recomputes every repeated block's "
+                               f"activations, 'auto' lets the planner choose)")
 
     @property
     def activation_bytes_per_elem(self) -> int:

@@ -14,6 +14,8 @@ from .comm import bytes_sent_per_rank, collective_s
 from .fsdp_pricing import fsdp_fusions
 from .optimizer_norms import norm_allreduce_bytes
 from .problem import Problem, partial_grad_axes
+from .offload import host_bytes
+from .recompute import recompute_effect, recomputed_keys
 from .reshard import reshard_steps, transitions
 
 __all__ = ["Prediction", "evaluate", "shared_reshards"]
@@ -58,6 +60,7 @@ class Prediction:
     param_state_bytes: float  # weights + gradients + optimizer state
     activation_bytes: float
     comm_bytes: dict[str, float] = field(default_factory=dict)  # collective -> bytes sent per device per step
+    host_bytes: float = 0.0  # ZeRO-Offload: optimizer state in host memory, per device (not in the peak)
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -95,7 +98,7 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
         fwd, bwd = reshard_steps(a, b, e.total_bytes, mesh, e.needs_grad)
         for step in fwd + bwd:
             sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * copies
-    fused, regathers = fsdp_fusions(problem, choice)  # ZeRO-3 as runtime.fsdp runs it
+    fused, regathers = fsdp_fusions(problem, choice, recomputed_keys(problem, choice))  # ZeRO-3 as runtime.fsdp runs it
     for step, count in regathers:
         comm_s += collective_s(step.collective, step.nbytes, mesh.sizes[step.axis], mesh.links[step.axis]) * count
         sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * count
@@ -111,4 +114,8 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
     for axis, nbytes in norm_allreduce_bytes(problem, choice, problem.optimizer).items():  # LAMB/LARS norms
         comm_s += collective_s("all_reduce", nbytes, mesh.sizes[axis], mesh.links[axis])
         sent["all_reduce"] += bytes_sent_per_rank("all_reduce", nbytes, mesh.sizes[axis])
-    return Prediction(node_s + comm_s, node_s, comm_s, params_b, acts_b, dict(sent))
+    rc_compute_s, rc_comm_s, rc_saved_b, rc_sent = recompute_effect(problem, choice, shared)  # recomputed blocks
+    node_s, comm_s, acts_b = node_s + rc_compute_s, comm_s + rc_comm_s, acts_b - rc_saved_b
+    for kind, nbytes in rc_sent.items():
+        sent[kind] += nbytes
+    return Prediction(node_s + comm_s, node_s, comm_s, params_b, acts_b, dict(sent), host_bytes(problem, choice))

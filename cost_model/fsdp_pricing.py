@@ -35,9 +35,11 @@ def fsdp_axis(src: Layout, dst: Layout, split: tuple[int, ...], zero: tuple[int,
     return last.axis if dst.codes[last.axis] == REPLICATE_CODE else None
 
 
-def fsdp_fusions(problem: Problem, choice: dict[str, int]) -> tuple[set[tuple], list[tuple[CommStep, int]]]:
+def fsdp_fusions(problem: Problem, choice: dict[str, int], recomputed: frozenset[str] = frozenset()
+                 ) -> tuple[set[tuple], list[tuple[CommStep, int]]]:
     """(the syncs run as reduce-scatters, keyed (tensor, axis, layout); the backward all-gathers
-    of saved weights, with their counts) under ``choice``."""
+    of saved weights, with their counts) under ``choice``. Consumers in ``recomputed`` (decisions
+    of recomputed blocks) save nothing: their recompute gathers again (``cost_model.recompute``)."""
     mesh = problem.mesh
     fused: set[tuple] = set()
     regathers: list[tuple[CommStep, int]] = []
@@ -57,6 +59,6 @@ def fsdp_fusions(problem: Problem, choice: dict[str, int]) -> tuple[set[tuple], 
         # no gradient) where the later blocks' layers do
         saving = sum(saves_input(v, e.input_index, problem.needs_grad) for v in e.targets) if e.targets else (
             e.count if saves_input(consumer.node, e.input_index, problem.needs_grad) else 0)
-        if saving:
+        if saving and e.consumer not in recomputed:
             regathers.append((CommStep("all_gather", axis, e.total_bytes * b.local_fraction(mesh)), saving))
     return fused, regathers

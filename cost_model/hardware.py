@@ -46,13 +46,22 @@ class Hardware:
     inter_node: Link
     kernel_overhead_s: float = 7e-6
     efficiency: float = 0.7
+    # The host, for ZeRO-Offload (cost_model/offload.py). Link: PCIe 4 x16 as achieved per
+    # direction, ~25 GB/s (FACTS.md; PCIe 5 ~50 GB/s on H100/H200). Memory: a DGX A100 640GB or
+    # DGX H100 node has 2 TB for 8 GPUs, 256 GB each (NVIDIA DGX datasheets). AdamW rate: torch
+    # 2.13's fused CPU AdamW measured 1.26e8 fp32 elements/s on one thread here (8M elements,
+    # median of 5, shared 2-core machine); 8 host threads per GPU assumed: 1e9/s. Calibrate.
+    host_link_bytes_per_s: float = 25e9
+    host_memory_bytes: float = 256 * 2**30
+    host_adam_params_per_s: float = 1e9
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
             raise HardwareError(
                 f"hardware {self.name!r}: devices_per_node must be a positive integer, got {self.devices_per_node!r}"
             )
-        for field_name in ("peak_flops", "peak_flops_fp32", "memory_bandwidth_bytes_per_s", "memory_bytes"):
+        for field_name in ("peak_flops", "peak_flops_fp32", "memory_bandwidth_bytes_per_s", "memory_bytes",
+                           "host_link_bytes_per_s", "host_memory_bytes", "host_adam_params_per_s"):
             value = getattr(self, field_name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise HardwareError(f"hardware {self.name!r}: {field_name} must be a positive number, got {value!r}")

@@ -21,7 +21,11 @@ Constraints, each added by the function named:
   for every decision d, T_{g,d} its options that make the gradient partial, and Z_g the ZeRO-2
   options of the gradient's parameter p on g's axis (they reduce-scatter it instead, at their
   own price);
-* ``memory``         (:func:`_add_memory`): sum_{d,i} M_{d,i} x_{d,i} <= budget bytes.
+* ``recompute``      (:func:`_add_recompute`): r_k in {0,1} recomputes block run k; w_{d,i} =
+  x_{d,i} r_k for its decisions (sum_i w_{d,i} = r_k, w_{d,i} <= x_{d,i}) and edges, costing the
+  forward again (F_{d,i} w_{d,i}) and saving activation memory (-S_{d,i} w_{d,i} in ``memory``);
+* ``memory``         (:func:`_add_memory`): sum_{d,i} M_{d,i} x_{d,i} - sum S w <= budget bytes;
+* ``host_memory``    (:func:`_add_host_memory`, offload only): sum_{d,i} H_{d,i} x_{d,i} <= host bytes.
 
 The model is built once as a sparse matrix (:class:`_Model`) and handed to HiGHS through
 ``highspy`` directly; PuLP with CBC is the fallback. (Building the same model through PuLP's
@@ -112,16 +116,19 @@ def _add_decisions(m: _Model, problem: Problem) -> dict[str, list[int]]:
     return x
 
 
-def _add_edges(m: _Model, problem: Problem, x) -> list[tuple[int, float]]:
-    """The edge variables and rows; returns (column, bytes) of pairings that hold memory."""
+def _add_edges(m: _Model, problem: Problem, x, cols: dict | None = None) -> list[tuple[int, float]]:
+    """The edge variables and rows; returns (column, bytes) of pairings that hold memory, and
+    fills ``cols`` (edge index -> layout pair -> column) when given."""
     memory = []
-    for edge in problem.edges:
+    for idx, edge in enumerate(problem.edges):
         if not any(edge.seconds.values()) and not any(edge.memory.values()):
             continue  # every pairing is free: no variables needed
         out_rows: dict = {}
         in_rows: dict = {}
         for (a, b), cost in edge.seconds.items():
             col = m.col(cost)
+            if cols is not None:
+                cols.setdefault(idx, {})[(a, b)] = col
             if edge.memory.get((a, b)):
                 memory.append((col, edge.memory[(a, b)]))
             out_rows.setdefault(a, []).append((col, 1.0))
@@ -156,6 +163,41 @@ def _add_syncs(m: _Model, problem: Problem, x) -> None:
                   0.0, float("inf"))
 
 
+def _add_recompute(m: _Model, problem: Problem, x, edge_cols: dict) -> tuple[dict[str, int], list]:
+    """Recompute of block runs (``cost_model.recompute``): a binary r per run; for each of its
+    decisions d, w_{d,i} = x_{d,i} r by ``sum_i w_{d,i} = r`` and ``w_{d,i} <= x_{d,i}``
+    (rows ``recompute[...]``), the same over the layout pairs of its edges; w pays the forward
+    again and releases the saved activation bytes in the memory row. Returns r's columns and
+    the (column, -bytes) memory terms."""
+    r_cols, memory = {}, []
+
+    def product(name: str, r: int, gates: list[int], per_gate: list[tuple[float, float]]) -> None:
+        ws = []
+        for gate, (extra_s, saved_bytes) in zip(gates, per_gate):
+            w = m.col(extra_s)
+            ws.append(w)
+            m.row(f"recompute_le[{name}]", [(w, 1.0), (gate, -1.0)], -float("inf"), 0.0)
+            if saved_bytes:
+                memory.append((w, -saved_bytes))
+        m.row(f"recompute[{name}]", [(w, 1.0) for w in ws] + [(r, -1.0)], 0.0, 0.0)
+
+    for term in problem.recompute:
+        r = r_cols[term.key] = m.col(0.0, integer=True)
+        if term.pinned is not None:
+            m.row(f"recompute_pin[{term.prefix}]", [(r, 1.0)], float(term.pinned), float(term.pinned))
+        for key, per_option in term.decisions.items():
+            if any(extra or saved for extra, saved, _ in per_option):
+                product(f"{term.prefix}:{key}", r, x[key], [(extra, saved) for extra, saved, _ in per_option])
+        for idx, pairs in term.edges.items():
+            cols = edge_cols.get(idx)
+            if not cols:
+                continue
+            gates = list(cols.values())
+            per_gate = [pairs.get(ab, (0.0, 0.0, []))[:2] for ab in cols]
+            product(f"{term.prefix}:edge{idx}", r, gates, per_gate)
+    return r_cols, memory
+
+
 def _add_memory(m: _Model, problem: Problem, x, budget_bytes: float | None,
                 edge_memory: list[tuple[int, float]] = ()) -> None:
     if budget_bytes is None:
@@ -166,9 +208,24 @@ def _add_memory(m: _Model, problem: Problem, x, budget_bytes: float | None,
     m.row("memory", coeffs, -float("inf"), budget_bytes * _MEMORY_SCALE)
 
 
+def _add_host_memory(m: _Model, problem: Problem, x) -> None:
+    """ZeRO-Offload: the host bytes of the parameters' options under the host's memory."""
+    if problem.host is None:
+        return
+    coeffs = [(x[k][i], b * _MEMORY_SCALE) for k, per_option in problem.host.per_option.items()
+              for i, b in enumerate(per_option) if b]
+    m.row("host_memory", coeffs, -float("inf"), problem.host.budget_bytes * _MEMORY_SCALE)
+
+
 def min_memory_bytes(problem: Problem) -> float:
-    """A lower bound on any plan's memory: the least memory option of every decision."""
-    return sum(min(d.memory_bytes) for d in problem.decisions.values())
+    """A lower bound on any plan's memory: the least memory option of every decision (less
+    what recomputing its block would save)."""
+    saved: dict[str, list[float]] = {}
+    for term in problem.recompute:
+        for key, per_option in term.decisions.items():
+            saved[key] = [s for _, s, _ in per_option]
+    return sum(min(m - s for m, s in zip(d.memory_bytes, saved.get(k, [0.0] * len(d.memory_bytes))))
+               for k, d in problem.decisions.items())
 
 
 _BANNER_SHOWN = [False]
@@ -274,9 +331,12 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     t0 = time.perf_counter()
     m = _Model()
     x = _add_decisions(m, problem)
-    edge_memory = _add_edges(m, problem, x)
+    edge_cols: dict = {}
+    edge_memory = _add_edges(m, problem, x, edge_cols)
     _add_syncs(m, problem, x)
-    _add_memory(m, problem, x, memory_budget_bytes, edge_memory)
+    r_cols, recompute_memory = _add_recompute(m, problem, x, edge_cols)
+    _add_memory(m, problem, x, memory_budget_bytes, edge_memory + recompute_memory)
+    _add_host_memory(m, problem, x)
     backends = {"highs": _solve_highs, "cbc": _solve_cbc}
     order = [solver] + [s for s in backends if s != solver]
     result, used, errors = None, None, []
@@ -301,6 +361,7 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
                            f"raise the time limit")
     objective, bound = objective / _TIME_SCALE, bound / _TIME_SCALE
     choice = {k: int(np.argmax(values[cols])) for k, cols in x.items()}
+    choice.update({k: int(values[c] > 0.5) for k, c in r_cols.items()})  # recompute of block runs
     integral = bool(np.all(np.minimum(values[m_int := np.asarray(m.integer)], 1 - values[m_int]) < 1e-6))
     if relax and integral:
         status = "Optimal"  # an integral LP optimum is the ILP optimum: no branching needed

@@ -70,6 +70,9 @@ class StageCost:
     activation_bytes: float  # kept for backward, one micro-batch, per device
     send_bytes: float = 0.0  # what it hands the next stage per micro-batch (whole tensors)
     send_grad_bytes: float = 0.0  # the gradients of what it received, sent back per micro-batch
+    # recomputed blocks: one block's activations for one micro-batch, alive during its backward
+    # only (once per device, not per micro-batch in flight; cost_model/recompute.py)
+    transient_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,8 @@ def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v:
         send = sum(p2p_s(c.send_bytes, link) + p2p_s(c.send_grad_bytes, link) for c in chunks)
         dev_seconds.append(sum(c.seconds for c in chunks) + send)
         flight = activations_in_flight(schedule, p, m, k, v)
-        dev_memory.append(sum(c.param_state_bytes + flight * c.activation_bytes for c in chunks))
+        dev_memory.append(sum(c.param_state_bytes + flight * c.activation_bytes for c in chunks)
+                          + max(c.transient_bytes for c in chunks))
         p2p = max(p2p, m * sum(c.send_bytes + c.send_grad_bytes for c in chunks))
     t_max = max(dev_seconds)
     if v == 1:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import operator
-import re
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -42,12 +41,15 @@ from autopar.strategy import REPLICATE_CODE, Layout, Strategy
 
 from autopar.tp_families import is_ring_attention, ring_axes, sharded_norm_axis, summa_axes
 
+from .blocks import block_of as _block_of
 from .algorithms import ring_attention_steps, sharded_norm_steps, summa_steps
 from .saved_inputs import saves_input
 from .buckets import bucketed_all_reduce_s
 from .comm import all_reduce_s
-from .costs import TrainingSpec, activation_bytes, compute_seconds, param_state_bytes
+from .costs import TrainingSpec, activation_bytes, compute_seconds
 from .hardware import Hardware
+from .offload import add_host_memory, param_option_cost
+from .recompute import add_recompute
 from .reshard import CommStep, reshard_seconds, reshard_steps, steps_seconds
 
 __all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins", "partial_grad_axes", "zero2_steps"]
@@ -147,6 +149,9 @@ class Problem:
     followers: dict[str, tuple[str, list[Strategy]]] = field(default_factory=dict)
     needs_grad: dict[str, bool] = field(default_factory=dict)  # node name -> it needs a gradient
     optimizer: str = "adamw"  # TrainingSpec.optimizer: LAMB/LARS add norm all-reduces (optimizer_norms.py)
+    # Activation recompute of repeated blocks the ILP may choose (cost_model/recompute.py)
+    recompute: list = field(default_factory=list)
+    host: Any = None  # ZeRO-Offload: host bytes per parameter option (cost_model/offload.HostMemory)
 
     def strategy_of(self, name: str, choice: dict[str, int]) -> Strategy:
         """The strategy node ``name`` runs under a solved ``choice``."""
@@ -160,25 +165,6 @@ class Problem:
         n = sum(len(d.options) for d in self.decisions.values())
         n += sum(len(e.seconds) for e in self.edges)
         return n + len(self.syncs)
-
-
-_BLOCK_RE = re.compile(r"^(?P<prefix>.*?)\.?(?P<index>\d+)$")
-
-
-def _block_of(node: fx.Node) -> tuple[str, int] | None:
-    """(container path, index) of the repeated block (a ModuleList entry) a node belongs to."""
-    if node.op == "get_attr":
-        parts = str(node.target).split(".")
-        for k, part in enumerate(parts[:-1]):
-            if part.isdigit():
-                return ".".join(parts[:k]), int(part)
-        return None
-    stack = node.meta.get("nn_module_stack") or {}
-    for path, _ in stack.values():
-        m = _BLOCK_RE.match(path or "")
-        if m and m.group("prefix"):
-            return m.group("prefix"), int(m.group("index"))
-    return None
 
 
 def _signature(node: fx.Node) -> tuple:
@@ -434,30 +420,31 @@ class _Builder:
                 d.comm_seconds[i] += sec
                 d.comm_steps[i].extend((step, count) for step in steps)
 
-    def algorithm_steps(self, n: fx.Node, st: Strategy) -> list[CommStep]:
-        """The collectives of a runtime algorithm the strategy runs (``cost_model.algorithms``)."""
+    def algorithm_steps(self, n: fx.Node, st: Strategy, backward: bool = True) -> list[CommStep]:
+        """The collectives of a runtime algorithm the strategy runs (``cost_model.algorithms``);
+        ``backward=False``: its forward's only (what a recompute runs again)."""
         if is_ring_attention(n, st):
-            return self.ring_steps(n, st)
+            return self.ring_steps(n, st, backward)
         if summa_axes(n, st) is not None:
-            return self.summa_steps(n, st)
+            return self.summa_steps(n, st, backward)
         axis = sharded_norm_axis(n, st)
         if axis is not None:
             x = n.args[0].meta["val"]
             local = st.inputs[0].local_shape(self.mesh, tuple(x.shape))
             return sharded_norm_steps(math.prod(local[:-1]), axis, self.train.activation_bytes_per_elem,
-                                      self.needs[n.name])
+                                      self.needs[n.name] and backward)
         return []
 
-    def ring_steps(self, n: fx.Node, st: Strategy) -> list[CommStep]:
+    def ring_steps(self, n: fx.Node, st: Strategy, backward: bool = True) -> list[CommStep]:
         """Ring attention's sends (``cost_model.algorithms``): K and V blocks around the ring."""
         (axis,) = ring_axes(n, st)
         k, v = n.args[1], n.args[2]
         kb = _tensor_bytes(k.meta["val"], self.train) * st.inputs[1].local_fraction(self.mesh)
         vb = _tensor_bytes(v.meta["val"], self.train) * st.inputs[2].local_fraction(self.mesh)
-        return ring_attention_steps(kb, vb, self.mesh.sizes[axis], axis, self.needs[n.name],
+        return ring_attention_steps(kb, vb, self.mesh.sizes[axis], axis, self.needs[n.name] and backward,
                                     self.train.activation_bytes_per_elem)
 
-    def summa_steps(self, n: fx.Node, st: Strategy) -> list[CommStep]:
+    def summa_steps(self, n: fx.Node, st: Strategy, backward: bool = True) -> list[CommStep]:
         """SUMMA's broadcasts and reduces (``cost_model.algorithms``) for a linear layer."""
         r, c = summa_axes(n, st)
         x, w = n.args[0], n.args[1]
@@ -467,7 +454,7 @@ class _Builder:
         k = w.meta["val"].shape[1]
         return summa_steps(rows, k, n_local, self.mesh.sizes[r], self.mesh.sizes[c], r, c,
                            self.train.activation_bytes_per_elem, self.needs.get(x.name, False),
-                           self.needs.get(w.name, False), self.needs[n.name])
+                           self.needs.get(w.name, False), self.needs[n.name] and backward)
 
     def add_input_grad(self, n: fx.Node, d: Decision) -> None:
         """An input whose gradient is wanted (a pipeline stage's input) is cut from the whole
@@ -483,10 +470,9 @@ class _Builder:
     def option_cost(self, n: fx.Node, st: Strategy, zero_axes, is_param: bool) -> tuple[float, float]:
         mesh, hw, train = self.mesh, self.hw, self.train
         if is_param:
-            mem = param_state_bytes(n.meta["val"].numel(), st.output, mesh, train, zero_axes)
-            # The optimizer step streams weights, gradients and state once. ZeRO-2's collectives
-            # are added by add_root (zero2_steps).
-            sec = mem / (hw.efficiency * hw.memory_bandwidth_bytes_per_s)
+            # the optimizer step, on the device or (offload) on the host: cost_model/offload.py.
+            # ZeRO-2's collectives are added by add_root (zero2_steps).
+            sec, mem, _ = param_option_cost(n.meta["val"].numel(), st.output, mesh, hw, train, zero_axes)
             return sec, mem
         if n.op in ("placeholder", "get_attr"):
             return 0.0, _tensor_bytes(n.meta["val"], train) * st.output.local_fraction(mesh)
@@ -677,4 +663,9 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: Train
                   pins: Pins = None, zero2: bool = True) -> Problem:
     """Price every strategy of the annotated ``gm`` (see the module docstring). ``zero2=False``
     leaves ZeRO-2 out of the parameters' options."""
-    return _Builder(gm, mesh, hw, train, pins, zero2).build()
+    builder = _Builder(gm, mesh, hw, train, pins, zero2)
+    problem = builder.build()
+    # block runs the ILP may recompute (cost_model/recompute.py); their forward runs again
+    add_recompute(problem, hw, train, lambda n, st: builder.algorithm_steps(n, st, backward=False))
+    add_host_memory(problem, hw, train)  # ZeRO-Offload's host bytes (cost_model/offload.py)
+    return problem

@@ -27,6 +27,7 @@ from autopar.strategy import REPLICATE_CODE, PARTIAL_AVG_CODE, Layout, Replicate
 from autopar.tp_families import is_ring_attention, ring_axes, sharded_norm_axis, summa_axes
 
 from .defer_sync import ParamUse, defer_param_syncs, fsdp_axis
+from .recompute_regions import checkpoint_blocks
 from .rules import get_rule, has_rule, tensor_leaves
 
 __all__ = ["lower", "DEFERRED_KEY"]
@@ -294,7 +295,7 @@ def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, g
           root: torch.nn.Module, followers: set[str] = frozenset(),
           zero2: dict[str, tuple[int, ...]] | None = None, local_inputs: bool = False,
           local_outputs: bool = False, defer_grad_sync: bool = False,
-          defer_param_syncs: bool = False) -> fx.GraphModule:
+          defer_param_syncs: bool = False, recompute: Sequence[str] = ()) -> fx.GraphModule:
     """The per-rank program of ``gm`` (see module doc). ``root`` holds the local parameter
     shards under the graph's ``get_attr`` targets; ``followers`` names the nodes the planner
     folded into their producer's decision (they keep their own gradient syncs); ``zero2`` maps
@@ -306,7 +307,9 @@ def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, g
     ``meta[DEFERRED_KEY]`` maps each such parameter's target to its axes' group keys.
     ``defer_param_syncs=True`` (pipelines: one program run per micro-batch) leaves out the
     gradient all-reduces of single-use parameters and lists them in the program's
-    ``deferred_param_syncs``; the caller all-reduces those gradients once per step."""
+    ``deferred_param_syncs``; the caller all-reduces those gradients once per step.
+    ``recompute`` names the runs of repeated blocks (``Plan.recompute``) whose ops run under
+    a checkpoint (``passes/recompute_regions.py``)."""
     lowering = _Lowering(gm, strategies, mesh, groups, set(followers), dict(zero2 or {}), root, local_inputs,
                          local_outputs, defer_grad_sync, defer_param_syncs)
     graph = lowering.run()
@@ -315,4 +318,4 @@ def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, g
     program.meta[DEFERRED_KEY] = lowering.deferred
     # (parameter target, mesh axis): gradient all-reduces the caller runs once per step
     program.deferred_param_syncs = sorted(lowering.step_deferred)
-    return program
+    return checkpoint_blocks(program, recompute)

@@ -369,9 +369,11 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
                 local = C.zero2_shard(local, [groups[a] for a in sorted(zero2[node.name])])
             _set_attr(root, target, local, is_param)
     followers = {name for name, n in plan_followers(plan).items()}
-    program = lower(gm, strategies, mesh, groups, root, followers, zero2, defer_grad_sync=True)
+    program = lower(gm, strategies, mesh, groups, root, followers, zero2, defer_grad_sync=True,
+                    recompute=plan.recompute)
     _release_weights(gm)
-    relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2, defer_grad_sync=True)
+    relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2, defer_grad_sync=True,
+                                recompute=plan.recompute)
     pm = ParallelModule(program, plan, strategies, gm, dm, coords, groups, relower)
     # Gradient all-reduces the lowering left out run bucketed and overlapped (runtime/grad_buckets.py).
     pm.__dict__["_grad_buckets"] = GradBuckets([(root.get_parameter(t), tuple(C._g(k) for k in keys))

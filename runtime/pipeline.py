@@ -191,8 +191,10 @@ def _stage_module(gm: fx.GraphModule, plan: Plan, full: dict[str, torch.Tensor],
                 local = C.zero2_shard(local, [groups[a] for a in sorted(zero2[node.name])])
             _set_attr(root, target, local, is_param)
     followers = set(plan_followers(plan))
-    program = lower(gm, strategies, mesh, groups, root, followers, zero2, defer_param_syncs=True)
-    relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2, defer_param_syncs=True)
+    program = lower(gm, strategies, mesh, groups, root, followers, zero2, defer_param_syncs=True,
+                    recompute=plan.recompute)
+    relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2, defer_param_syncs=True,
+                                recompute=plan.recompute)
     _release_weights(gm)
     return ParallelModule(program, plan, strategies, gm, dm_sub, coords, groups, relower)
 
@@ -334,6 +336,7 @@ def parallelize_plan_pipeline(model: nn.Module, example_inputs: Sequence[Any], p
                            f"re-plan with autopar.plan(model, {world}, ...) or launch {plan.n_devices} processes")
     options = {k: v for k, v in plan_options.items() if k not in ("strategy", "mesh", "baselines")}
     options.setdefault("hardware", plan.hardware)
+    options["recompute"] = "full" if info.recompute else "none"  # the stages recompute as the plan priced them
     return parallelize_pipeline(model, example_inputs, pp=info.n_stages, n_microbatches=info.n_microbatches,
                                 schedule=info.schedule, stage_mesh=info.stage_mesh, stage_blocks=info.stage_blocks,
                                 virtual_stages=info.virtual_stages, device=device, **options)

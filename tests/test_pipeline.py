@@ -19,7 +19,8 @@ CASES_BY_WORLD = {
     4: [(4, None, "gpipe", 8, {}), (4, None, "1f1b", 8, {}),
         (2, "dp=2", "interleaved-1f1b", 4, {"virtual_stages": 2, "strategy": "dp"}),
         (2, "dp=2", "1f1b", 4, {"strategy": "zero3"}),  # ZeRO-3 inside the stages
-        (0, None, "planned", 0, {"api": 1, "strategy": "pp"})],  # parallelize(strategy="pp") picks it all
+        (0, None, "planned", 0, {"api": 1, "strategy": "pp"}),  # parallelize(strategy="pp") picks it all
+        (2, "dp=2", "1f1b", 2, {"recompute": "full"})],  # every block of every stage checkpointed
     8: [(2, "dp=2,tp=2", "gpipe", 4, {"strategy": "megatron-dp"}),
         (2, "dp=2,tp=2", "1f1b", 4, {"strategy": "megatron-dp"}),
         (0, None, "pinned", 0, {"api": 1, "mesh": "pp=2,dp=2,tp=2", "n_microbatches": 4, "schedule": "gpipe",

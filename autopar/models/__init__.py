@@ -95,7 +95,7 @@ def _entries() -> dict[str, ModelEntry]:
     e: list[ModelEntry] = [
         ModelEntry("mlp", mlp, "3-hidden-layer GELU MLP classifier, 64->256->10", 32, None),
     ]
-    gpt_shapes = {"gpt-tiny": (2, 32), "gpt3-175b": (1, 2048)}
+    gpt_shapes = {"gpt-tiny": (2, 32), "gpt3-6.7b": (1, 2048), "gpt3-13b": (1, 2048), "gpt3-175b": (1, 2048)}
     for name, c in GPT_CONFIGS.items():
         b, t = gpt_shapes.get(name, (8, c.block_size))
         desc = f"GPT, {c.n_layer} layers, {c.n_head} heads, d={c.n_embd}, vocab {c.vocab_size}, untied head"

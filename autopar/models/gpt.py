@@ -33,6 +33,8 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
     "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
+    "gpt3-6.7b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=2048),  # GPT-3 paper, table 2.1
+    "gpt3-13b": GPTConfig(n_layer=40, n_head=40, n_embd=5120, block_size=2048),  # the paper lists 5140; 40 x 128
     "gpt3-175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, block_size=2048),
 }
 

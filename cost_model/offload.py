@@ -1,0 +1,79 @@
+"""ZeRO-Offload in the cost model: optimizer state and fp32 master weights in host memory.
+
+With ``TrainingSpec.offload`` every parameter keeps on the device only its weights (in the
+training precision) and its gradients; the optimizer state (and, in mixed precision, the fp32
+master copy) lives in host memory and the optimizer step runs on the host CPU. Each step, as
+ZeRO-Offload does (arXiv 2101.06840): this rank's piece of the gradient goes down over the host
+link, the host runs AdamW on it, and the updated weights come back up (2 x 2 Psi bytes in mixed
+precision). Priced per parameter decision, with what ZeRO-2 splits split here too:
+
+    device bytes = weights + gradients / z          host bytes = state / z
+    seconds      = (gradients + weights) / z / host link  +  elements / z / host AdamW rate
+
+(z: the product of the parameter's ZeRO-2 axes). The transfers are not overlapped with
+backward in this model. Host memory is a row of its own in the ILP (``cost_model.ilp``), under
+``Hardware.host_memory_bytes``. Device and host bytes are reported apart (``Prediction``), so on
+a CPU-only machine, where both are the same memory, the accounting still says which is which.
+
+Planning only: the runtime does not yet move optimizer state to the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from autopar.mesh import MeshSpec
+from autopar.strategy import Layout
+
+from .costs import TrainingSpec
+from .hardware import Hardware
+
+__all__ = ["param_option_cost", "HostMemory", "add_host_memory", "host_bytes"]
+
+
+def param_option_cost(numel: int, layout: Layout, mesh: MeshSpec, hw: Hardware, train: TrainingSpec,
+                      zero_axes: Sequence[int] = ()) -> tuple[float, float, float]:
+    """(optimizer-step seconds, device bytes, host bytes) of one parameter stored in ``layout``."""
+    local = numel * layout.local_fraction(mesh)
+    split = math.prod(mesh.sizes[a] for a in zero_axes)
+    weights = local * train.param_bytes_per_elem
+    grads = local * train.param_bytes_per_elem / split
+    state = local * train.state_bytes_per_elem / split
+    if not train.offload:
+        device = weights + grads + state
+        # the optimizer step streams weights, gradients and state once
+        return device / (hw.efficiency * hw.memory_bandwidth_bytes_per_s), device, 0.0
+    moved = grads + weights / split  # gradient piece down, updated weight piece up
+    seconds = moved / hw.host_link_bytes_per_s + local / split / hw.host_adam_params_per_s
+    return seconds, weights + grads, state
+
+
+@dataclass
+class HostMemory:
+    """Host bytes per parameter decision option (count included), and the host budget."""
+
+    budget_bytes: float
+    per_option: dict[str, list[float]] = field(default_factory=dict)
+
+
+def add_host_memory(problem, hw: Hardware, train: TrainingSpec) -> None:
+    """Set ``problem.host`` (a ``HostMemory``) when ``train.offload``; else leave it None."""
+    if not train.offload:
+        return
+    host = HostMemory(float(hw.host_memory_bytes))
+    for key, d in problem.decisions.items():
+        if d.is_param:
+            numel = d.node.meta["val"].numel()
+            host.per_option[key] = [param_option_cost(numel, st.output, problem.mesh, hw, train, zero)[2] * d.count
+                                    for st, zero in d.options]
+    problem.host = host
+
+
+def host_bytes(problem, choice: dict) -> float:
+    """Host bytes per device under ``choice`` (0 without offload)."""
+    host = getattr(problem, "host", None)
+    if host is None:
+        return 0.0
+    return sum(per_option[choice[key]] for key, per_option in host.per_option.items())

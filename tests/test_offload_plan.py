@@ -1,0 +1,42 @@
+"""ZeRO-Offload in the planner (cost_model/offload.py): optimizer state and fp32 master weights
+priced in host memory, device and host bytes kept apart, the step priced on the host link and
+CPU. Planning only: the runtime does not move state to the host yet."""
+
+import pytest
+
+import autopar
+from autopar.cost_model.costs import TrainingSpec
+from autopar.cost_model.hardware import get_hardware
+from autopar.cost_model.offload import param_option_cost
+from autopar.mesh import MeshSpec
+from autopar.models import get_model
+from autopar.strategy import Layout
+
+
+def test_offload_moves_state_to_the_host_and_prices_the_link_and_cpu_step():
+    hw = get_hardware("a100-80gb")
+    mesh = MeshSpec(("dp",), (1,))
+    rep = Layout.replicated(1)
+    n = 10**9
+    t_dev, dev, host = param_option_cost(n, rep, mesh, hw, TrainingSpec("adamw", True, "none", False))
+    assert (dev, host) == (16 * n, 0.0)  # 2 + 2 + 12 bytes per parameter (ZeRO paper)
+    t_off, dev, host = param_option_cost(n, rep, mesh, hw, TrainingSpec("adamw", True, "none", True))
+    assert (dev, host) == (4 * n, 12 * n)
+    # 2 x 2 bytes per parameter over the host link, and the host's AdamW over every element
+    assert t_off == pytest.approx(4 * n / hw.host_link_bytes_per_s + n / hw.host_adam_params_per_s)
+    assert t_off > t_dev
+
+
+def test_offloaded_plan_reports_device_and_host_bytes_apart():
+    model, inputs = get_model("gpt-tiny", batch_size=8, seq_len=16)
+    kw = dict(hardware="a100-80gb", mixed_precision=True, baselines=False, strategy="dp", recompute="none")
+    keep = autopar.plan(model, 2, inputs, **kw)
+    off = autopar.plan(model, 2, inputs, offload=True, **kw)
+    assert keep.host_bytes == 0 and off.host_bytes > 0
+    # what left the device is what the host holds (data parallel: the same layouts)
+    assert off.param_state_bytes + off.host_bytes == pytest.approx(keep.param_state_bytes)
+    assert off.step_seconds > keep.step_seconds
+    assert autopar.Plan.from_json(off.to_json()).host_bytes == off.host_bytes
+    from autopar.report import format_report
+
+    assert "host memory / device" in format_report(off)

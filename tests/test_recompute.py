@@ -1,0 +1,152 @@
+"""Activation recompute: planned by the ILP (cost_model/recompute.py) and run by checkpointing
+each block's lowered region (passes/recompute_regions.py).
+
+Planner checks run in this process. The runtime checks run 4 gloo ranks in one launch
+(tests/mem_cases.py): the tiny GPT and a tiny Hugging Face Llama with recompute pinned full,
+and the planner's own choice under a budget that forces it; each equals the single-process run
+(losses, gradients, parameters after 3 AdamW steps), sends exactly the bytes its plan predicts
+(the recomputed forward's collectives included) and checkpoints every block it planned to.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from mem_cases import build, case_key  # noqa: E402
+from test_runtime import _free_port  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.errors import AutoparError  # noqa: E402
+
+MEGATRON = {"strategy": "megatron-dp"}
+# gpt-longseq (one 1024-token sequence) on dp=4: under 3 MB per device no plan fits without recompute
+LONGSEQ_AUTO = {"mesh": "dp=4", "memory_budget_bytes": 3e6, "pipeline": False}
+CASES = [("gpt-tiny", dict(MEGATRON, recompute="full")), ("gpt-tiny", dict(MEGATRON, recompute="none")),
+         ("hf-llama-tiny", {"strategy": "dp", "recompute": "full"}),
+         ("hf-llama-tiny", {"strategy": "dp", "recompute": "none"}),
+         ("gpt-tiny", {"strategy": "zero3", "recompute": "full"}), ("gpt-longseq", LONGSEQ_AUTO)]
+WORLD = 4
+N_BLOCKS = {"gpt-tiny": 2, "hf-llama-tiny": 3, "gpt-longseq": 2}
+_RESULTS: dict = {}
+
+
+def _plan(name, **options):
+    model, inputs = build(name)
+    return autopar.plan(model, WORLD, inputs, hardware="a100-80gb", mixed_precision=False, baselines=False, **options)
+
+
+def test_full_recompute_trades_forward_time_for_activation_memory():
+    keep = _plan("gpt-tiny", **MEGATRON, recompute="none")
+    full = _plan("gpt-tiny", **MEGATRON, recompute="full")
+    assert keep.recompute == () and full.recompute == ("blocks",)
+    assert full.activation_bytes < 0.8 * keep.activation_bytes
+    assert full.step_seconds > keep.step_seconds
+    assert autopar.Plan.from_json(full.to_json()).recompute == ("blocks",)
+    from autopar.report import format_report
+
+    assert "activation recompute  blocks" in format_report(full)
+
+
+def test_auto_recomputes_only_where_memory_needs_it_and_never_costs_time():
+    free = _plan("gpt-longseq", **dict(LONGSEQ_AUTO, memory_budget_bytes=None))
+    assert free.recompute == ()  # nothing to gain: recompute costs time
+    with pytest.raises(AutoparError, match="no plan fits"):
+        _plan("gpt-longseq", **LONGSEQ_AUTO, recompute="none")
+    tight = _plan("gpt-longseq", **LONGSEQ_AUTO)
+    assert tight.recompute == ("blocks",) and tight.peak_memory_bytes_per_device <= 3e6
+    assert tight.step_seconds >= free.step_seconds
+
+
+def test_bad_recompute_mode_is_refused_with_the_choices():
+    with pytest.raises(AutoparError, match="recompute='some'.*none, full, auto"):
+        _plan("gpt-tiny", recompute="some")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    if not _RESULTS:
+        out = tmp_path_factory.mktemp("recompute") / "results.pt"
+        script = os.path.join(os.path.dirname(__file__), "mem_cases.py")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, script, str(WORLD), str(_free_port()), str(out), json.dumps(CASES)],
+                              capture_output=True, text=True, timeout=1200, env=env)
+        assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+        _RESULTS.update(torch.load(out, weights_only=False))
+    return _RESULTS
+
+
+def _reference(name):
+    from dist_cases import EPS, LR, STEPS
+
+    model, inputs = build(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses, grads = [], None
+    for step in range(STEPS):
+        loss = model(*inputs)
+        loss.backward()
+        if step == 0:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[case_key(c) for c in CASES])
+def test_recomputed_run_equals_single_process_and_bytes_match_plan(results, case, report_line):
+    name, options = case
+    r = results[case_key(case)]
+    assert "error" not in r, r["error"]
+    losses, grads, params = _reference(name)
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-4, atol=1e-6)
+    for k, g in grads.items():
+        torch.testing.assert_close(r["grads"][k], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
+    for k, p in params.items():
+        if k in r["params"]:
+            torch.testing.assert_close(r["params"][k], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"param {k}: {m}")
+    # the plan shards (Megatron cuts weights on tp; the long sequence's plan cuts activations)
+    assert any("S(" in s for s in r["strategies"].values())
+    # the recomputed forward's collectives are in the prediction, and the run sends exactly that:
+    # a program that skipped the checkpoints would send less than predicted
+    for step, sent in enumerate(r["sent"]):
+        assert sent == pytest.approx(r["predicted"]), (step, sent, r["predicted"])
+    recomputed = options.get("recompute") != "none"
+    assert bool(r["recompute"]) == recomputed
+    assert len(r["checkpointed"]) == (N_BLOCKS[name] if recomputed else 0), r["checkpointed"]
+    report_line(f"recompute {WORLD} ranks {case_key(case)}: mesh {r['mesh']}, blocks checkpointed "
+                f"{len(r['checkpointed'])}, bytes/step {sum(r['predicted'].values()):,.0f} (measured = predicted), "
+                f"activations kept by forward {r['kept_bytes']:,.0f} (predicted "
+                f"{r['predicted_activation_bytes']:,.0f}), step peak above weights {r['peak_bytes']:,.0f}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,family", [("gpt-tiny", "megatron-dp"), ("hf-llama-tiny", "dp")])
+def test_recompute_lowers_the_activations_kept_as_predicted(results, name, family):
+    full = results[case_key((name, {"strategy": family, "recompute": "full"}))]
+    keep = results[case_key((name, {"strategy": family, "recompute": "none"}))]
+    # what the forward leaves alive for backward falls; the measured drop is compared with the
+    # predicted one in bench/recompute_memory.py (a table), here only its direction and size
+    measured = keep["kept_bytes"] - full["kept_bytes"]
+    predicted = keep["predicted_activation_bytes"] - full["predicted_activation_bytes"]
+    assert measured > 0.5 * predicted, (measured, predicted)
+
+
+def test_pipeline_stages_recompute_hold_only_block_inputs_in_flight():
+    from autopar.models.gpt import GPTConfig, gpt
+
+    model, inputs = gpt(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=128, block_size=64), batch_size=8,
+                        seq_len=64)
+    kw = dict(mesh="pp=2,dp=2", hardware="a100-80gb", mixed_precision=False, baselines=False)
+    keep = autopar.plan(model, 4, inputs, recompute="none", **kw)
+    full = autopar.plan(model, 4, inputs, recompute="full", **kw)
+    assert keep.recompute == () and not keep.pipeline.recompute
+    assert full.recompute == ("blocks",) and full.pipeline.recompute
+    assert full.activation_bytes < 0.5 * keep.activation_bytes
+    assert full.param_state_bytes == pytest.approx(keep.param_state_bytes)  # same layouts, recomputed
+    assert autopar.Plan.from_json(full.to_json()).pipeline.recompute
