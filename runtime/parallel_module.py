@@ -288,8 +288,9 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
                         mixed_precision=mixed_precision, **plan_options)
 
 
-def _parallelize(model: nn.Module, n_gpus: int | None, example_inputs: Sequence[Any], *, plan, example_kwargs,
-                 device, weights, seed, hardware, mixed_precision, in_place: bool = False, **plan_options):
+def _parallelize(model: nn.Module, n_gpus: int | None, example_inputs: Sequence[Any], *, plan=None,
+                 example_kwargs=None, device=None, weights=None, seed=0, hardware=None, mixed_precision=None,
+                 in_place: bool = False, **plan_options):
     if not dist.is_initialized():
         raise AutoparError("autopar.parallelize needs torch.distributed: launch with torchrun "
                            "(e.g. torchrun --nproc_per_node 4 train.py); it initializes the process group")
