@@ -6,7 +6,7 @@ Two launches of 4 gloo ranks each train a Llama built from a config and saved wi
 * ``whole``: the path before ``weights=``: every rank builds the model on CPU and loads the whole
   checkpoint (``from_pretrained``), then ``parallelize(model, example_kwargs=...)`` broadcasts and
   cuts it; the user's whole model stays alive next to the shards;
-* ``shards``: ``with torch.device("meta")`` model + ``parallelize(model, weights=dir)`` (lazy): each
+* ``shards``: ``with torch.device("meta")`` model + ``parallelize(model, weights=dir)``: each
   rank reads only its slices (safetensors ``get_slice``); the model never exists whole.
 
 Per rank it prints: the most parameter bytes held at once while loading (the shard source's
@@ -77,9 +77,8 @@ def _rank(rank: int, world: int, port: int, mode: str, args: dict, out: str) -> 
     else:
         with torch.device("meta"):
             user = LlamaForCausalLM(_config(args))
-        model = autopar.parallelize(user, weights=args["dir"], **options)
-        model(**kwargs).loss.backward()  # the first call plans, loads the slices and runs
-        pm = model.parallel_module
+        model = autopar.parallelize(user, example_kwargs=kwargs, weights=args["dir"], **options)
+        pm = model  # (the lazy parallelize(user, weights=...) builds the same on its first call)
         load_peak = pm.shard_source_peak_bytes
     rss_load = _rss_bytes()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

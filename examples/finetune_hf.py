@@ -2,7 +2,7 @@
 with the one-line API. The model is made on the meta device and never exists whole on any rank:
 each rank reads only its slices of the safetensors checkpoint.
 
-    torchrun --nproc_per_node 4 examples/finetune_hf.py [--dir /tmp/tiny-llama] [--steps 30]
+    torchrun --nproc_per_node 4 examples/finetune_hf.py [--dir /tmp/tiny-llama] [--steps 30] [--strategy zero3]
 
 Without a checkpoint at --dir, rank 0 first writes a small one, built from a config (no download).
 """
@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--strategy", default="auto", help="auto, or pin a family: dp, zero3, megatron, ...")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -52,7 +53,7 @@ def main() -> None:
     config.use_cache = False  # training: no KV cache in the outputs
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = autopar.parallelize(model, weights=args.dir)  # the one added line
+    model = autopar.parallelize(model, weights=args.dir, strategy=args.strategy)  # the one added line
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     data = batches(config.vocab_size, args.batch, args.seq, seed=1)

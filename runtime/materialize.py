@@ -184,7 +184,9 @@ class _Checkpoint:
         if tuple(view.get_shape()) != tuple(shape):
             raise WeightsError(f"checkpoint tensor {name!r} has shape {tuple(view.get_shape())} but the model's is "
                                f"{tuple(shape)}; was it saved from another configuration?")
-        return view[slices].to(dtype).contiguous()
+        piece = view[slices].to(dtype).contiguous()
+        # a piece may share the storage safetensors mapped for the whole tensor or file: copy it out
+        return piece.clone() if piece.untyped_storage().nbytes() > piece.nbytes else piece
 
 
 class ShardSource:
@@ -212,8 +214,9 @@ class ShardSource:
         return None
 
     def _note(self, temporary_bytes: int, local: torch.Tensor) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.kept_bytes + temporary_bytes + local.nbytes)
-        self.kept_bytes += local.nbytes
+        held = local.untyped_storage().nbytes()  # the storage it keeps alive, not only its own elements
+        self.peak_bytes = max(self.peak_bytes, self.kept_bytes + temporary_bytes + held)
+        self.kept_bytes += held
 
     def piece(self, target: str, tensor: torch.Tensor, layout: Layout, is_param: bool) -> torch.Tensor:
         """This rank's piece of ``target`` (``tensor``: the model's own, possibly meta)."""
