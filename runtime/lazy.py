@@ -73,10 +73,10 @@ class LazyParallelModule(nn.Module):
         signature = input_signature(args, kwargs)
         built = self.__dict__["_built"]
         if built is None:
-            from .parallel_module import _parallelize
+            from .parallel_module import parallelize_with_inputs
 
-            built = _parallelize(self.module, self._n_gpus, args, example_kwargs=kwargs, in_place=True,
-                                 **self._options)
+            built = parallelize_with_inputs(self.module, self._n_gpus, args, example_kwargs=kwargs,
+                                            in_place=True, **self._options)
             self.__dict__["_built"] = built
             self.__dict__["_signature"] = signature
         elif signature != self._signature:

@@ -43,7 +43,8 @@ class WeightsError(AutoparError, ValueError):
     """A checkpoint that cannot be read, or that does not fit the model."""
 
 
-def chunk_slices(shape: Sequence[int], layout: Layout, coords: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
+def chunk_slices(shape: Sequence[int], layout: Layout, coords: Sequence[int],
+                 sizes: Sequence[int]) -> tuple[slice, ...]:
     """This rank's piece of a tensor of ``shape`` in ``layout`` as slices: a dim cut by several
     mesh axes is cut outer axis first, each cut with ``torch.chunk`` semantics (DTensor's Shard)."""
     bounds = [(0, int(s)) for s in shape]
@@ -166,7 +167,8 @@ class _Checkpoint:
         elif os.path.isfile(path):
             self.files = self._keys(path)
         else:
-            raise WeightsError(f"weights={path!r} does not exist; give a .safetensors file or a save_pretrained directory")
+            raise WeightsError(f"weights={path!r} does not exist; give a .safetensors file or a "
+                               f"save_pretrained directory")
         self._handles: dict[str, Any] = {}
 
     def _keys(self, file: str) -> dict[str, str]:

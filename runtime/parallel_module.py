@@ -283,14 +283,16 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
         return LazyParallelModule(model, n_gpus, dict(plan=plan, device=device, weights=weights, seed=seed,
                                                       hardware=hardware, mixed_precision=mixed_precision,
                                                       **plan_options))
-    return _parallelize(model, n_gpus, () if example_inputs is None else example_inputs, plan=plan,
+    return parallelize_with_inputs(model, n_gpus, () if example_inputs is None else example_inputs, plan=plan,
                         example_kwargs=example_kwargs, device=device, weights=weights, seed=seed, hardware=hardware,
                         mixed_precision=mixed_precision, **plan_options)
 
 
-def _parallelize(model: nn.Module, n_gpus: int | None, example_inputs: Sequence[Any], *, plan=None,
+def parallelize_with_inputs(model: nn.Module, n_gpus: int | None, example_inputs: Sequence[Any], *, plan=None,
                  example_kwargs=None, device=None, weights=None, seed=0, hardware=None, mixed_precision=None,
                  in_place: bool = False, **plan_options):
+    """``parallelize`` with the inputs known (the lazy module calls it on its first batch with
+    ``in_place=True``: the user's Parameter objects become the shards)."""
     if not dist.is_initialized():
         raise AutoparError("autopar.parallelize needs torch.distributed: launch with torchrun "
                            "(e.g. torchrun --nproc_per_node 4 train.py); it initializes the process group")

@@ -189,3 +189,48 @@ def test_lazy_module_before_its_first_call():
     with pytest.raises(autopar.AutoparError, match="torchrun"):  # no process group here
         lazy(torch.randn(2, 4))
     assert all(p.shape == (4, 4) or p.shape == (4,) for p in model.parameters())  # nothing changed
+
+
+def test_chunk_slices_are_torch_chunk_pieces_outer_axis_first():
+    from autopar.runtime.materialize import chunk_slices, local_shard
+    from autopar.strategy import Layout
+
+    from torch.distributed.tensor import Shard
+
+    full = torch.arange(10 * 6).reshape(10, 6)  # 10 rows cut 2 x 2: pieces of 3, 2, 3, 2 (torch.chunk)
+    for layout in (Layout((Shard(0), Shard(0))), Layout((Shard(1), Shard(0)))):
+        for coords in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            sl = chunk_slices(full.shape, layout, coords, (2, 2))
+            assert torch.equal(full[sl], local_shard(full, layout, coords, (2, 2))), (layout, coords)
+
+
+def test_bad_weights_and_uninitializable_meta_modules_are_named(tmp_path):
+    from safetensors.torch import save_file
+
+    from autopar.runtime.materialize import ShardSource, WeightsError, init_full
+    from autopar.strategy import Layout
+
+    with pytest.raises(WeightsError, match="does not exist"):
+        ShardSource(torch.nn.Linear(2, 2), (0,), (1,), str(tmp_path / "missing.safetensors"))
+    with pytest.raises(WeightsError, match="neither model.safetensors"):
+        ShardSource(torch.nn.Linear(2, 2), (0,), (1,), str(tmp_path))
+    save_file({"weight": torch.zeros(3, 2), "bias": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
+    with torch.device("meta"):
+        lin = torch.nn.Linear(2, 2)
+    src = ShardSource(lin, (0,), (1,), str(tmp_path / "w.safetensors"))
+    with pytest.raises(WeightsError, match=r"shape \(3, 2\) but the model's is \(2, 2\)"):
+        src.piece("weight", lin.weight, Layout.replicated(1), True)
+
+    class Custom(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(2))
+
+    with torch.device("meta"):
+        custom = Custom()
+    with pytest.raises(WeightsError, match="no reset_parameters"):
+        init_full(custom)
+    # per-module init depends on the seed only: same seed, same values; another seed, others
+    a, b, c = init_full(lin, 1), init_full(lin, 1), init_full(lin, 2)
+    assert torch.equal(a["weight"], b["weight"]) and not torch.equal(a["weight"], c["weight"])
+    assert lin.weight.device.type == "meta"  # the model itself is left as it was
