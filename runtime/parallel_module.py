@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from autopar.cost_model.local_hardware import default_mixed_precision, local_hardware
 from autopar.errors import AutoparError
 from autopar.mesh import MeshSpec
 from autopar.passes.annotate import STRATEGIES_KEY, annotate
@@ -32,6 +33,7 @@ from autopar.trace import graph_fingerprint, trace
 from . import collectives as C
 from .fsdp import fsdp_gather, regather_saved_weights
 from .grad_buckets import GradBuckets
+from .materialize import ShardSource, adopt, has_meta, local_shard, trace_meta
 from .shard_info import ShardInfo, tag_parameters
 
 __all__ = ["parallelize", "ParallelModule"]
@@ -43,18 +45,6 @@ def _coords(rank: int, sizes: Sequence[int]) -> tuple[int, ...]:
         out.append(rank % s)
         rank //= s
     return tuple(reversed(out))
-
-
-def local_shard(full: torch.Tensor, layout: Layout, coords: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
-    """This rank's piece of ``full`` in ``layout`` (a dim cut by several axes, outer axis first)."""
-    t = full
-    for code, size, c in zip(layout.codes, sizes, coords):
-        if code >= 0:
-            t = t.chunk(size, dim=code)[c]
-    t = t.contiguous()
-    # A piece cut on dim 0 is already contiguous: a view that would keep the whole tensor's
-    # storage alive on every rank. Copy it out.
-    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
 def _shard_slices(shape: Sequence[int], layout: Layout, coords, sizes) -> tuple[slice, ...]:
@@ -276,10 +266,33 @@ def _broadcast_plan(plan_json: str | None) -> str:
     return box[0]
 
 
-def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Sequence[Any] = (), *,
+def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Sequence[Any] | None = None, *,
                 plan: Plan | str | None = None, example_kwargs: dict | None = None, device: str | None = None,
-                **plan_options) -> ParallelModule:
-    """Run ``model`` across the ranks of the default process group (see module doc)."""
+                weights: str | None = None, seed: int = 0, hardware=None, mixed_precision: bool | None = None,
+                **plan_options) -> nn.Module:
+    """Run ``model`` across the ranks of the default process group (see module doc).
+
+    Without ``example_inputs``/``example_kwargs`` it returns a lazy module that plans on its
+    first call (``runtime/lazy.py``). ``hardware`` defaults to where it runs and
+    ``mixed_precision`` to bf16 on CUDA, fp32 on CPU (``cost_model/local_hardware.py``).
+    ``weights=PATH`` reads each rank's slices of a safetensors checkpoint; a model on the meta
+    device is materialized shard by shard (``runtime/materialize.py``, ``seed``)."""
+    if example_inputs is None and example_kwargs is None:
+        from .lazy import LazyParallelModule
+
+        return LazyParallelModule(model, n_gpus, dict(plan=plan, device=device, weights=weights, seed=seed,
+                                                      hardware=hardware, mixed_precision=mixed_precision,
+                                                      **plan_options))
+    return parallelize_with_inputs(model, n_gpus, () if example_inputs is None else example_inputs, plan=plan,
+                        example_kwargs=example_kwargs, device=device, weights=weights, seed=seed, hardware=hardware,
+                        mixed_precision=mixed_precision, **plan_options)
+
+
+def parallelize_with_inputs(model: nn.Module, n_gpus: int | None, example_inputs: Sequence[Any], *, plan=None,
+                 example_kwargs=None, device=None, weights=None, seed=0, hardware=None, mixed_precision=None,
+                 in_place: bool = False, **plan_options):
+    """``parallelize`` with the inputs known (the lazy module calls it on its first batch with
+    ``in_place=True``: the user's Parameter objects become the shards)."""
     if not dist.is_initialized():
         raise AutoparError("autopar.parallelize needs torch.distributed: launch with torchrun "
                            "(e.g. torchrun --nproc_per_node 4 train.py); it initializes the process group")
@@ -287,11 +300,20 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
     n = world if n_gpus is None else n_gpus
     if n != world:
         raise AutoparError(f"n_gpus={n} but the world size is {world}; launch {n} processes or drop n_gpus")
+    device_type = _device_type(device)
+    plan_options = dict(plan_options, hardware=local_hardware(hardware, device_type),
+                        mixed_precision=default_mixed_precision(device_type) if mixed_precision is None
+                        else mixed_precision)
+    meta = has_meta(model)
+    if meta and ("n_microbatches" in plan_options or "schedule" in plan_options or plan_options.get("pipeline")):
+        raise AutoparError("a model on the meta device cannot be pipelined yet; build it on CPU, "
+                           "or drop the pipeline options (n_microbatches, schedule, pipeline=True)")
     if "n_microbatches" in plan_options or "schedule" in plan_options:
         from .pipeline import parallelize_pipeline_options  # a pinned pipeline: pp= on the mesh
 
         return parallelize_pipeline_options(model, example_inputs, device=device, **plan_options)
-    gm = trace(model, example_inputs, example_kwargs)
+    gm = trace_meta(model, example_inputs, example_kwargs, device_type) if meta else \
+        trace(model, example_inputs, example_kwargs)
     if plan is None:
         text = None
         if dist.get_rank() == 0:
@@ -323,15 +345,20 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
 
         return parallelize_plan_pipeline(model, example_inputs, the_plan, device, plan_options)
     strategies = _match_strategies(gm, the_plan)
-    return _build(model, gm, the_plan, strategies, device)
+    return _build(model, gm, the_plan, strategies, device_type, weights, seed, in_place)
 
 
-def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[str, Strategy],
-           device: str | None) -> ParallelModule:
+def _device_type(device: str | None) -> str:
+    return device or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+
+
+def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[str, Strategy], device_type: str,
+           weights: str | None = None, seed: int = 0, in_place: bool = False) -> ParallelModule:
+    """Each rank's shards (``runtime/materialize.py``) and the lowered program. ``in_place``: the
+    user's own Parameter objects become the shards (restored if building fails)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh: MeshSpec = plan.mesh
-    device_type = device or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
     dm = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axes)
     coords = _coords(dist.get_rank(), mesh.sizes)
     groups = [C.AxisGroup(a, dm.get_group(a), s, c) for a, s, c in zip(mesh.axes, mesh.sizes, coords)]
@@ -341,40 +368,51 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
     root = nn.Module()
     shared: dict[int, tuple[str, Layout]] = {}  # tied weights: one local Parameter for all names
     first_node: dict[str, str] = {}
-    with torch.no_grad():
-        for node in gm.graph.nodes:
-            if node.op != "get_attr":
-                continue
-            target = str(node.target)
-            is_param = target in full
-            layout = strategies[node.name].output if node.name in strategies else Layout.replicated(mesh.ndim)
-            if is_param and id(full[target]) in shared:
-                first, first_layout = shared[id(full[target])]
-                if first_layout != layout or zero2.get(node.name) != zero2.get(first_node[first]):
-                    raise AutoparError(f"tied parameters {first} and {target} were planned with different layouts "
-                                       f"({first_layout} vs {layout}, or ZeRO-2 axes); untie them or pin one layout")
-                _set_attr(root, target, root.get_parameter(first), True)
-                continue
-            if is_param:
-                shared[id(full[target])] = (target, layout)
-                first_node[target] = node.name
-            tensor = full[target] if is_param else buffers.get(target)
-            if tensor is None:
-                tensor = functools.reduce(getattr, target.split("."), gm)
-            tensor = tensor.detach().clone()
-            if is_param:
-                dist.broadcast(tensor, src=0)  # every rank starts from rank 0's weights
-            local = local_shard(tensor, layout, coords, mesh.sizes)
-            if node.name in zero2:  # the optimizer sees this rank's flat piece only
-                local = C.zero2_shard(local, [groups[a] for a in sorted(zero2[node.name])])
-            _set_attr(root, target, local, is_param)
-    followers = {name for name, n in plan_followers(plan).items()}
-    program = lower(gm, strategies, mesh, groups, root, followers, zero2, defer_grad_sync=True,
-                    recompute=plan.recompute)
+    source = ShardSource(model, coords, mesh.sizes, weights, seed)
+    adopted: list[tuple[nn.Parameter, torch.Tensor]] = []  # (user Parameter, what it held): undone on failure
+    try:
+        with torch.no_grad():
+            for node in gm.graph.nodes:
+                if node.op != "get_attr":
+                    continue
+                target = str(node.target)
+                is_param = target in full
+                layout = strategies[node.name].output if node.name in strategies else Layout.replicated(mesh.ndim)
+                if is_param and id(full[target]) in shared:
+                    first, first_layout = shared[id(full[target])]
+                    if first_layout != layout or zero2.get(node.name) != zero2.get(first_node[first]):
+                        raise AutoparError(f"tied parameters {first} and {target} were planned with different "
+                                           f"layouts ({first_layout} vs {layout}, or ZeRO-2 axes); untie them or "
+                                           f"pin one layout")
+                    _set_attr(root, target, root.get_parameter(first), True)
+                    continue
+                if is_param:
+                    shared[id(full[target])] = (target, layout)
+                    first_node[target] = node.name
+                tensor = full[target] if is_param else buffers.get(target)
+                if tensor is None:
+                    tensor = functools.reduce(getattr, target.split("."), gm)
+                local = source.piece(target, tensor, layout, is_param)
+                if node.name in zero2:  # the optimizer sees this rank's flat piece only
+                    local = C.zero2_shard(local, [groups[a] for a in sorted(zero2[node.name])])
+                if is_param and in_place:
+                    adopted.append((full[target], full[target].data))
+                    local = adopt(full[target], local)
+                _set_attr(root, target, local, is_param)
+        followers = {name for name, n in plan_followers(plan).items()}
+        program = lower(gm, strategies, mesh, groups, root, followers, zero2, defer_grad_sync=True,
+                        recompute=plan.recompute)
+    except BaseException:
+        for param, before in reversed(adopted):
+            adopt(param, before)
+        raise
+    finally:
+        source.done()
     _release_weights(gm)
     relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2, defer_grad_sync=True,
                                 recompute=plan.recompute)
     pm = ParallelModule(program, plan, strategies, gm, dm, coords, groups, relower)
+    pm.__dict__["shard_source_peak_bytes"] = source.peak_bytes  # bench/load_memory.py reads it
     # Gradient all-reduces the lowering left out run bucketed and overlapped (runtime/grad_buckets.py).
     pm.__dict__["_grad_buckets"] = GradBuckets([(root.get_parameter(t), tuple(C._g(k) for k in keys))
                                                 for t, keys in program.meta[DEFERRED_KEY].items()])
