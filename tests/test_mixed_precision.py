@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_cases import EPS, LR, STEPS, build, case_key  # noqa: E402
-from test_runtime import _id, _launch  # noqa: E402
+from test_runtime import _id, _launch, assert_compute_is_split, assert_every_rank_sends_as_counted  # noqa: E402
 
 BF16 = {"mixed_precision": 1}
 TIGHT = {"memory_budget_bytes": 2e6, **BF16}  # makes auto shard the tiny GPT (test_runtime.TIGHT)
@@ -150,7 +150,11 @@ def test_bf16_run_equals_bf16_reference_and_bytes_match_plan(launch, world_case,
     if family in ("zero2", "zero3", "megatron", "megatron-dp"):
         assert r["cut_params"] > 0, r["cut_params"]
     # bytes per collective: the plan prices bf16 (2 bytes per element), and that is what is sent
+    # on every rank and step, and by an independent spy on torch.distributed (tests/byte_spy.py,
+    # which reads the element size of what is really sent)
     for step, sent in enumerate(r["sent"]):
         assert sent == pytest.approx(r["predicted"]), (step, sent, r["predicted"])
+    assert_every_rank_sends_as_counted(r)
+    assert_compute_is_split(r, family, world)
     report_line(f"bf16 runtime {world} ranks {case_key(case).replace('/None', '')}: mesh {r['mesh']}, bytes/step "
                 f"{sum(r['predicted'].values()):,.0f} (measured = predicted), loss {r['losses'][-1]:.4f}")
