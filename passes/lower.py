@@ -23,6 +23,7 @@ from autopar.cost_model.reshard import transitions
 from autopar.mesh import MeshSpec
 from autopar.runtime import collectives as C
 from autopar.runtime import fsdp as F
+from autopar.runtime.mixed_precision import MixedPrecision, retarget_dtypes, to_compute_dtype
 from autopar.strategy import REPLICATE_CODE, PARTIAL_AVG_CODE, Layout, Replicate, Strategy
 from autopar.tp_families import is_ring_attention, ring_axes, sharded_norm_axis, summa_axes
 
@@ -43,8 +44,10 @@ class _Lowering:
     def __init__(self, gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec,
                  groups: Sequence[C.AxisGroup], followers: set[str], zero2: dict[str, tuple[int, ...]],
                  root: torch.nn.Module, local_inputs: bool = False, local_outputs: bool = False,
-                 defer_grad_sync: bool = False, defer_param_syncs: bool = False):
+                 defer_grad_sync: bool = False, defer_param_syncs: bool = False,
+                 mixed_precision: MixedPrecision | None = None):
         self.local_inputs, self.local_outputs = local_inputs, local_outputs
+        self.mp = mixed_precision  # None: the program runs in the dtypes it was traced in
         self.defer, self.deferred = defer_grad_sync, {}
         # (parameter target, axis) whose gradient all-reduce a pipeline runs once per step
         self.step_deferred: set[tuple[str, int]] = set()
@@ -170,13 +173,24 @@ class _Lowering:
             self.env[node.name] = p
             return
         val = node.meta["val"]
+        value = self.to_compute(p, node)  # cast before the cut: a later gather moves bf16
         # Global inputs are cut to this rank's piece here (free); local ones arrive cut.
-        self.env[node.name] = p if self.local_inputs else \
-            self.reshard(p, Layout.replicated(self.mesh.ndim), s.output, val.dim())
+        self.env[node.name] = value if self.local_inputs else \
+            self.reshard(value, Layout.replicated(self.mesh.ndim), s.output, val.dim())
         self.layouts[node.name] = s.outputs
 
+    def to_compute(self, value: fx.Node, node: fx.Node) -> fx.Node:
+        """Under mixed precision, a floating tensor read from outside the graph (parameter, buffer,
+        input) in the compute dtype; its gradient comes back in the original dtype
+        (``runtime/mixed_precision.py``)."""
+        val = node.meta.get("val")
+        if self.mp is None or not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            return value
+        return self.call(to_compute_dtype, value, self.mp.param_dtype)
+
     def do_get_attr(self, node: fx.Node) -> None:
-        self.env[node.name] = self.graph.get_attr(node.target)
+        # the cast comes first, so ZeRO-2/ZeRO-3 gathers and gradient reductions move bf16
+        self.env[node.name] = self.to_compute(self.graph.get_attr(node.target), node)
         if node.name in self.zero2:
             param = self.root.get_parameter(str(node.target))
             if id(param) not in self.gathered:  # tied weights: one gather, one reduce-scatter
@@ -211,6 +225,10 @@ class _Lowering:
             out = self.graph.call_function(sharded_layer_norm, (
                 bound["input"], list(node.args[1]), bound.get("weight"), bound.get("bias"), bound.get("eps", 1e-5),
                 self.groups[sharded_norm_axis(node, s)]))
+        elif self.mp is not None:
+            out = self.graph.call_function(node.target, *retarget_dtypes(tuple(args), kwargs, self.mp))
+            if _made_floating(node, self.mp.traced_dtype):  # a factory, or int -> float: cast it
+                out = self.call(to_compute_dtype, out, self.mp.param_dtype)
         else:
             out = self.graph.call_function(node.target, tuple(args), kwargs)
         out.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
@@ -260,6 +278,15 @@ class _Lowering:
         self.graph.output(pytree.tree_map(whole, node.args[0]))
 
 
+def _made_floating(node: fx.Node, dtype: torch.dtype) -> bool:
+    """``node`` makes a ``dtype`` tensor from no floating tensor input (a factory such as
+    ``zeros``, or integer math such as a true division)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype != dtype:
+        return False
+    return not any(i.meta["val"].is_floating_point() for i in tensor_leaves(node.args, node.kwargs, _is_tensor_node))
+
+
 def _bound(names: Sequence[str], args: tuple, kwargs: dict) -> dict:
     """An ATen call's arguments by name (positional ones named by the schema's order)."""
     bound = dict(zip(names, args))
@@ -295,7 +322,8 @@ def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, g
           root: torch.nn.Module, followers: set[str] = frozenset(),
           zero2: dict[str, tuple[int, ...]] | None = None, local_inputs: bool = False,
           local_outputs: bool = False, defer_grad_sync: bool = False,
-          defer_param_syncs: bool = False, recompute: Sequence[str] = ()) -> fx.GraphModule:
+          defer_param_syncs: bool = False, recompute: Sequence[str] = (),
+          mixed_precision: MixedPrecision | None = None) -> fx.GraphModule:
     """The per-rank program of ``gm`` (see module doc). ``root`` holds the local parameter
     shards under the graph's ``get_attr`` targets; ``followers`` names the nodes the planner
     folded into their producer's decision (they keep their own gradient syncs); ``zero2`` maps
@@ -309,9 +337,11 @@ def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, g
     gradient all-reduces of single-use parameters and lists them in the program's
     ``deferred_param_syncs``; the caller all-reduces those gradients once per step.
     ``recompute`` names the runs of repeated blocks (``Plan.recompute``) whose ops run under
-    a checkpoint (``passes/recompute_regions.py``)."""
+    a checkpoint (``passes/recompute_regions.py``).
+    ``mixed_precision`` (a ``runtime.mixed_precision.MixedPrecision``) runs the program in bf16
+    on fp32 parameters, as that module describes; None keeps the traced dtypes."""
     lowering = _Lowering(gm, strategies, mesh, groups, set(followers), dict(zero2 or {}), root, local_inputs,
-                         local_outputs, defer_grad_sync, defer_param_syncs)
+                         local_outputs, defer_grad_sync, defer_param_syncs, mixed_precision)
     graph = lowering.run()
     graph.lint()
     program = fx.GraphModule(root, graph)

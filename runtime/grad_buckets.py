@@ -17,6 +17,11 @@ same ``grad_sync`` steps and nothing else. Such a parameter's sync is run here i
 Accumulation across backward calls stays exact: when ``.grad`` already holds a value the hook
 lets zeros accumulate and the callback adds the reduced gradient; otherwise it copies it.
 
+Mixed precision: with ``reduce_dtype`` (bf16), a bucket holds and sends gradients in that dtype
+(FSDP2's ``reduce_dtype``); the sums are cast back into the fp32 ``.grad``. The fresh gradient
+of a parameter read through a bf16 cast is an exact fp32 image of a bf16 value, so this sends
+what an all-reduce of the bf16 gradient in the program would, at the bytes the plan prices.
+
 Bytes: each parameter adds the bytes of its own all-reduce per axis to the byte counter, so
 the counts equal the per-tensor all-reduces the plan predicts; a bucket is one call of the
 summed size, which sends the same bytes in fewer calls.
@@ -62,14 +67,16 @@ class GradBuckets:
     """Hooks on ``params`` (forward order), each synced over its ``axes`` (see module doc)."""
 
     def __init__(self, params: Sequence[tuple[torch.nn.Parameter, tuple[AxisGroup, ...]]],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+                 reduce_dtype: torch.dtype | None = None):
+        self.reduce_dtype = reduce_dtype  # None: each gradient's own dtype
         self.buckets: list[_Bucket] = []
         self.slot: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, index in bucket)
         open_by_key: dict[tuple, int] = {}
         for p, axes in reversed(list(params)):
             if id(p) in self.slot:
                 continue
-            key = (tuple(g.name for g in axes), p.dtype, p.device)
+            key = (tuple(g.name for g in axes), self._wire_dtype(p), p.device)
             b = open_by_key.get(key)
             if b is None:
                 b = open_by_key[key] = len(self.buckets)
@@ -80,7 +87,7 @@ class GradBuckets:
             bucket.offsets.append(bucket.numel)
             bucket.numel += p.numel()
             cap = first_bucket_bytes if b == 0 else bucket_bytes
-            if bucket.numel * p.element_size() >= cap:
+            if bucket.numel * self._wire_bytes(p) >= cap:
                 del open_by_key[key]  # full: the next parameter of this kind opens a new bucket
         self._next = 0  # buckets launch in index order
         self._armed = False
@@ -90,6 +97,12 @@ class GradBuckets:
         self._early = 0
         unique = {id(p): p for p, _ in params}
         self.handles = [p.register_hook(self._hook(p)) for p in unique.values()]
+
+    def _wire_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return p.dtype if self.reduce_dtype is None or not p.is_floating_point() else self.reduce_dtype
+
+    def _wire_bytes(self, p: torch.Tensor) -> int:
+        return torch.empty((), dtype=self._wire_dtype(p)).element_size()
 
     def _hook(self, p: torch.nn.Parameter):
         def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -103,13 +116,13 @@ class GradBuckets:
         b, i = self.slot[id(p)]
         bucket = self.buckets[b]
         if bucket.flat is None:
-            bucket.flat = torch.empty(bucket.numel, dtype=p.dtype, device=p.device)
+            bucket.flat = torch.empty(bucket.numel, dtype=self._wire_dtype(p), device=p.device)
         off = bucket.offsets[i]
         bucket.flat[off:off + p.numel()].copy_(grad.reshape(-1))
         fresh = p.grad is None
         bucket.ready[i] = fresh
         for g in bucket.axes:
-            COUNTER.add("all_reduce", p.numel() * p.element_size(), g.size)
+            COUNTER.add("all_reduce", p.numel() * self._wire_bytes(p), g.size)
         while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(
                 self.buckets[self._next].params):
             self._launch(self.buckets[self._next])

@@ -34,6 +34,7 @@ from . import collectives as C
 from .fsdp import fsdp_gather, regather_saved_weights
 from .grad_buckets import GradBuckets
 from .materialize import ShardSource, adopt, has_meta, local_shard, trace_meta
+from .mixed_precision import policy_for
 from .shard_info import ShardInfo, tag_parameters
 
 __all__ = ["parallelize", "ParallelModule"]
@@ -309,6 +310,7 @@ def parallelize_with_inputs(model: nn.Module, n_gpus: int | None, example_inputs
         raise AutoparError("a model on the meta device cannot be pipelined yet; build it on CPU, "
                            "or drop the pipeline options (n_microbatches, schedule, pipeline=True)")
     if "n_microbatches" in plan_options or "schedule" in plan_options:
+        _refuse_pipelined_mixed_precision(bool(plan_options["mixed_precision"]))
         from .pipeline import parallelize_pipeline_options  # a pinned pipeline: pp= on the mesh
 
         return parallelize_pipeline_options(model, example_inputs, device=device, **plan_options)
@@ -341,6 +343,7 @@ def parallelize_with_inputs(model: nn.Module, n_gpus: int | None, example_inputs
                            f"{the_plan.model!r}, graph fingerprint {the_plan.graph_fingerprint}; this model's is "
                            f"{graph_fingerprint(gm)}); re-plan with autopar.plan(model, {world}, example_inputs)")
     if the_plan.pipeline is not None:  # stages on sub-meshes, run by a pipeline schedule: pm.step(*batch)
+        _refuse_pipelined_mixed_precision(the_plan.mixed_precision)
         from .pipeline import parallelize_plan_pipeline
 
         return parallelize_plan_pipeline(model, example_inputs, the_plan, device, plan_options)
@@ -359,6 +362,8 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh: MeshSpec = plan.mesh
+    device_type = _device_type(device)
+    mp = policy_for(plan.mixed_precision)
     dm = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axes)
     coords = _coords(dist.get_rank(), mesh.sizes)
     groups = [C.AxisGroup(a, dm.get_group(a), s, c) for a, s, c in zip(mesh.axes, mesh.sizes, coords)]
@@ -401,7 +406,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
                 _set_attr(root, target, local, is_param)
         followers = {name for name, n in plan_followers(plan).items()}
         program = lower(gm, strategies, mesh, groups, root, followers, zero2, defer_grad_sync=True,
-                        recompute=plan.recompute)
+                        recompute=plan.recompute, mixed_precision=mp)
     except BaseException:
         for param, before in reversed(adopted):
             adopt(param, before)
@@ -410,14 +415,25 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
         source.done()
     _release_weights(gm)
     relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2, defer_grad_sync=True,
-                                recompute=plan.recompute)
+                                recompute=plan.recompute, mixed_precision=mp)
     pm = ParallelModule(program, plan, strategies, gm, dm, coords, groups, relower)
     pm.__dict__["shard_source_peak_bytes"] = source.peak_bytes  # bench/load_memory.py reads it
     # Gradient all-reduces the lowering left out run bucketed and overlapped (runtime/grad_buckets.py).
     pm.__dict__["_grad_buckets"] = GradBuckets([(root.get_parameter(t), tuple(C._g(k) for k in keys))
-                                                for t, keys in program.meta[DEFERRED_KEY].items()])
+                                                for t, keys in program.meta[DEFERRED_KEY].items()],
+                                               reduce_dtype=None if mp is None else mp.reduce_dtype)
     tag_parameters(pm.shards())  # optimizers that need whole-tensor norms read each Parameter's cut
     return pm
+
+
+def _device_type(device: str | None) -> str:
+    return device or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+
+
+def _refuse_pipelined_mixed_precision(mixed_precision: bool) -> None:
+    if mixed_precision:
+        raise AutoparError("bf16 mixed precision does not run under pipelined plans yet (stages send fp32 "
+                           "activations); pass mixed_precision=False, or plan without pipeline stages")
 
 
 def _release_weights(gm: fx.GraphModule) -> None:

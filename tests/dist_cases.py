@@ -74,6 +74,16 @@ def build(name: str):
         from autopar.models.gpt import gpt
 
         return gpt("gpt-tiny", batch_size=1, seq_len=1024, block_size=1024)
+    if name == "hf-llama-tiny":  # transformers' Llama built from a config (no download)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from autopar.models.hf import HFLossWrapper
+
+        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                             use_cache=False, attn_implementation="sdpa")
+        ids = torch.randint(0, 128, (8, 16))
+        return HFLossWrapper(LlamaForCausalLM(config)).train(), (ids, ids)
     return get_model(name, batch_size=8, seq_len=16)
 
 
@@ -173,9 +183,10 @@ def run_case(name: str, family: str, mesh: str | None, options: dict | None = No
     model, inputs = build(name)
     options = dict(options or {})
     local_inputs = bool(options.pop("local_inputs", False))
+    mixed_precision = bool(options.pop("mixed_precision", False))  # bf16 (tests/test_mixed_precision.py)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pm = parallelize(model, example_inputs=inputs, hardware="a100-80gb", mixed_precision=False,
+        pm = parallelize(model, example_inputs=inputs, hardware="a100-80gb", mixed_precision=mixed_precision,
                          strategy=family, mesh=mesh, baselines=False, **options)
     if local_inputs:  # each rank reads only its own piece of the batch
         inputs = tuple(x if sl is None else x[sl].clone() for x, sl in zip(inputs, pm.input_slices()))
@@ -189,6 +200,8 @@ def run_case(name: str, family: str, mesh: str | None, options: dict | None = No
             loss.backward()
         if step == 0:
             grads = pm.full_grads()
+            dtypes = dict(loss=loss.dtype, params=sorted({str(p.dtype) for p in pm.parameters()}),
+                          grads=sorted({str(p.grad.dtype) for p in pm.parameters() if p.grad is not None}))
         losses.append(loss.item())
         sent_per_step.append(dict(sent))
         spied_per_step.append(spy.sent)
@@ -204,7 +217,7 @@ def run_case(name: str, family: str, mesh: str | None, options: dict | None = No
                 zero2_params=sum(1 for n in pm.plan.nodes if n.zero_axes),
                 param_numel=sum(p.numel() for p in pm.parameters()),
                 full_numel=sum(p.numel() for p in build(name)[0].parameters()),
-                param_devices=sorted({p.device.type for p in pm.parameters()}),
+                param_devices=sorted({p.device.type for p in pm.parameters()}), dtypes=dtypes,
                 state_keys=sorted(pm.state_dict()))
 
 
