@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from autopar.errors import AutoparError, BadArgumentError
+from autopar.errors import BadArgumentError
 from autopar.mesh import MeshSpec
 from autopar.strategy import Layout, Strategy
 
@@ -58,8 +58,10 @@ class TrainingSpec:
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise BadArgumentError(
                 f"unknown optimizer {self.optimizer!r}; pick one of {', '.join(OPTIMIZER_STATE_BYTES)}")
+        if not isinstance(self.offload, bool):
+            raise BadArgumentError(f"offload={self.offload!r} is not a switch; pass offload=True or False")
         if self.recompute not in RECOMPUTE_MODES:
-            raise AutoparError(f"recompute={self.recompute!r} is not a recompute mode; pick one of "
+            raise BadArgumentError(f"recompute={self.recompute!r} is not a recompute mode; pick one of "
                                f"{', '.join(RECOMPUTE_MODES)} ('full' recomputes every repeated block's "
                                f"activations, 'auto' lets the planner choose)")
 

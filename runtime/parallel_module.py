@@ -362,7 +362,6 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh: MeshSpec = plan.mesh
-    device_type = _device_type(device)
     mp = policy_for(plan.mixed_precision)
     dm = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axes)
     coords = _coords(dist.get_rank(), mesh.sizes)

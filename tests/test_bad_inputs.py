@@ -35,7 +35,11 @@ from autopar.errors import AutoparError, BadArgumentError, TraceError
 from autopar.mesh import MeshError
 from autopar.models import get_model
 from autopar.plan import PlanFormatError
+from autopar.optim import LAMB, LARS
+from autopar.optim.hyper import OptimizerConfigError
 from autopar.runtime import parallelize
+from autopar.runtime.lazy import InputSignatureError
+from autopar.runtime.materialize import WeightsError
 
 # --- what the rows use ----------------------------------------------------------------------
 
@@ -103,6 +107,13 @@ def _gpt():
 MODELS: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
     "mlp": _mlp, "gpt": _gpt, "branchy": _branchy, "noparams": lambda: (NoParams(), (torch.randn(4, 4),)),
 }
+
+
+def _lazy_other_shape(c) -> None:
+    """The one-line API's lazy module plans on its first batch; a batch of another shape is refused."""
+    pm = autopar.parallelize(c.model)
+    pm(*c.inputs)
+    pm(torch.cat([c.inputs[0], c.inputs[0]]), *c.inputs[1:])
 
 
 @lru_cache(maxsize=None)
@@ -199,6 +210,11 @@ CLI_ROWS = [
     Cli("calibrate output to a missing folder", "calibrate --out {files}/no/dir/hw.json", "no/dir/hw.json",
         "existing folder"),
     Cli("calibrate unknown device", "calibrate --device tpu", "'tpu'", "choose from"),
+    Cli("unknown recompute mode", "plan mlp --gpus 2 --recompute some", "'some'", "choose from"),
+    Cli("schedule: GPUs not whole nodes", "schedule --gpus 12", "12 GPUs", "multiple of 8"),
+    Cli("schedule: unknown policy", "schedule --policy nosuch", "'nosuch'", "pick one of fifo"),
+    Cli("schedule: trace missing", "schedule --trace {files}/nosuch.csv", "nosuch.csv", "Philly CSV format"),
+    Cli("schedule: malformed seed", "schedule --seed x", "'x'", "0-4"),
 ]
 
 
@@ -302,6 +318,19 @@ API_ROWS = [
     Api("parallelize: unknown pipeline schedule",
         lambda c: parallelize(c.model, example_inputs=c.inputs, mesh="pp=1", n_microbatches=2, schedule="zigzag"),
         AutoparError, "'zigzag'", "pick one of gpipe", "gpt", pg=True),
+    Api("parallelize: weights path missing",
+        lambda c: parallelize(c.model, example_inputs=c.inputs, weights=c.file("nosuch")), WeightsError, "nosuch",
+        "save_pretrained directory", "mlp", pg=True),
+    Api("parallelize: unknown hardware", lambda c: parallelize(c.model, example_inputs=c.inputs, hardware="tpu-v9"),
+        HardwareError, "'tpu-v9'", "autopar calibrate", "mlp", pg=True),
+    Api("parallelize: lazy module called with another input shape", lambda c: _lazy_other_shape(c),
+        InputSignatureError, "[16, 64] float32", "keep the batch shape fixed", "mlp", pg=True),
+    Api("plan: unknown recompute mode", lambda c: autopar.plan(c.model, 2, c.inputs, recompute="some"),
+        BadArgumentError, "'some'", "pick one of none, full, auto", "mlp"),
+    Api("LAMB: negative learning rate", lambda c: LAMB(c.model.parameters(), lr=-1.0), OptimizerConfigError,
+        "lr=-1.0", "pass 0.0 <= lr", "mlp"),
+    Api("LARS: momentum of 1 or more", lambda c: LARS(c.model.parameters(), lr=0.1, momentum=2.0),
+        OptimizerConfigError, "momentum=2.0", "0.0 <= momentum < 1.0", "mlp"),
     Api("parallelize: model with no parameters", lambda c: parallelize(c.model, example_inputs=c.inputs),
         BadArgumentError, "NoParams", "nn.ModuleList", "noparams", pg=True),
 ]
