@@ -37,12 +37,15 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from autopar.errors import AutoparError
 from autopar.runtime.dtensor_view import ShardView, empty_dtensor, shard_views, to_dtensor, to_local_piece
 
-__all__ = ["save", "load", "CheckpointError", "MANIFEST", "full_optimizer_state", "read_record"]
+__all__ = ["save", "load", "CheckpointError", "MANIFEST", "full_optimizer_state", "read_record", "read_metadata",
+           "MODEL_PREFIX", "OPTIM_PREFIX", "EXTRA_PREFIX"]
 
 FORMAT = "autopar-dcp-1"
 MANIFEST = "autopar_manifest.json"
 _META_KEY = "autopar/meta"
 _MODEL, _OPTIM, _EXTRA = "model/", "optim/", "extra/"
+# checkpoint keys: model/<name>, optim/<name>/<state key>, extra/<key>
+MODEL_PREFIX, OPTIM_PREFIX, EXTRA_PREFIX = _MODEL, _OPTIM, _EXTRA
 
 
 class CheckpointError(AutoparError):
@@ -95,6 +98,12 @@ class _SafeReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def read_metadata(path: str | os.PathLike):
+    """DCP's metadata of a checkpoint (tensor keys, chunks, where each is stored), read safely;
+    not collective."""
+    return _SafeReader(str(path)).read_metadata()
 
 
 # --- the record: JSON carried as a uint8 tensor ---------------------------------------------
@@ -238,7 +247,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, extra: dict 
 def _crc32(path: str) -> int:
     crc = 0
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
+        while chunk := f.read(1 << 20):  # 1 MiB at a time: checksumming adds no memory to speak of
             crc = zlib.crc32(chunk, crc)
     return crc
 

@@ -102,12 +102,27 @@ def save_phase(ckpt: str) -> dict:
     return out
 
 
-def load_case(ckpt: str, name: str, family: str, mesh: str | None) -> dict:
+def read_safetensors(path: str) -> dict:
+    """What a Hugging Face loader would see: the index and every file's tensors (rank 0 reads)."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    files = sorted(set(index["weight_map"].values()))
+    tensors = {k: v for name in files for k, v in load_file(os.path.join(path, name)).items()}
+    return dict(files=files, weight_map=index["weight_map"], tensors=tensors)
+
+
+def load_case(ckpt: str, name: str, family: str, mesh: str | None, export: bool = False) -> dict:
     from autopar import checkpoint
+    from autopar.safetensors_io import export_safetensors
 
     pm, opt, inputs = parallel(family, mesh)
     extra = checkpoint.load(os.path.join(ckpt, name), pm, opt)
     loaded = snapshot(pm, opt)
+    if export:  # the loaded weights, whole, as Hugging Face safetensors in several files
+        export_safetensors(os.path.join(ckpt, "hf"), pm, max_shard_bytes=300_000)
+        loaded["hf"] = read_safetensors(os.path.join(ckpt, "hf")) if dist.get_rank() == 0 else None
     losses = train(pm, opt, inputs, MORE)
     return dict(loaded=loaded, extra=extra, losses=losses, params=pm.full_state_dict(), numels=local_numels(pm),
                 mesh=str(pm.plan.mesh))
@@ -169,13 +184,17 @@ def bad_checkpoints(ckpt: str) -> dict:
             errors[name] = None
         except CheckpointError as exc:
             errors[name] = str(exc)
-    return dict(errors=errors, before=before, after=snapshot(pm, opt),
-                evil_ran=os.path.exists(os.environ["AUTOPAR_EVIL_MARKER"]))
+    after = snapshot(pm, opt)
+    from autopar.safetensors_io import import_safetensors
+
+    import_safetensors(os.path.join(ckpt, "hf"), pm)  # exported by the zero3<-mdp case
+    return dict(errors=errors, before=before, after=after, evil_ran=os.path.exists(os.environ["AUTOPAR_EVIL_MARKER"]),
+                imported={k: v.clone() for k, v in pm.full_state_dict().items()})
 
 
 PHASES = {
     "save": lambda ckpt: save_phase(ckpt),
-    "load2": lambda ckpt: {"zero3<-mdp": load_case(ckpt, "mdp", "zero3", "dp=2"),
+    "load2": lambda ckpt: {"zero3<-mdp": load_case(ckpt, "mdp", "zero3", "dp=2", export=True),
                            "zero2<-zero2": load_case(ckpt, "zero2", "zero2", "dp=2"),
                            "zero3<-pp": load_case(ckpt, "pp", "zero3", "dp=2"),
                            "bad": bad_checkpoints(ckpt)},

@@ -105,3 +105,17 @@ def test_bad_checkpoints_fail_clearly_and_change_nothing(runs):
     assert "posix.system is not allowed" in errors["evil"] and not bad["evil_ran"]
     assert "no checkpoint directory" in errors["missing"]
     assert_bitwise(bad["before"], bad["after"])
+
+
+def test_safetensors_export_is_whole_and_imports_into_another_plan(runs):
+    """zero3 on 2 ranks exports the loaded weights (several files and an index, as save_pretrained);
+    they equal the saved weights bitwise, and import back into a zero3 model that trained elsewhere."""
+    saved = runs["mdp"]["params"]
+    hf = runs["zero3<-mdp"]["loaded"]["hf"]
+    assert len(hf["files"]) > 1 and set(hf["weight_map"]) == set(hf["tensors"])
+    names = {k for k in saved if k in hf["tensors"]}
+    assert names == set(hf["tensors"]) and len(names) >= len(saved) - 1  # a tied weight is exported once
+    for k in names:
+        assert torch.equal(hf["tensors"][k], saved[k]), k
+    for k in names:
+        assert torch.equal(runs["bad"]["imported"][k], saved[k]), k
