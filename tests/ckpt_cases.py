@@ -117,9 +117,13 @@ def load_case(ckpt: str, name: str, family: str, mesh: str | None, export: bool 
     from autopar import checkpoint
     from autopar.safetensors_io import export_safetensors
 
+    from autopar.resize import predict_bytes_read, resize
+
     pm, opt, inputs = parallel(family, mesh)
-    extra = checkpoint.load(os.path.join(ckpt, name), pm, opt)
-    loaded = snapshot(pm, opt)
+    predicted = [None] * dist.get_world_size()
+    dist.all_gather_object(predicted, predict_bytes_read(os.path.join(ckpt, name), pm, opt))
+    extra, cost = resize(os.path.join(ckpt, name), pm, opt)  # a load that reports what it read
+    loaded = dict(snapshot(pm, opt), predicted=predicted, measured=list(cost.bytes_read_per_rank))
     if export:  # the loaded weights, whole, as Hugging Face safetensors in several files
         export_safetensors(os.path.join(ckpt, "hf"), pm, max_shard_bytes=300_000)
         loaded["hf"] = read_safetensors(os.path.join(ckpt, "hf")) if dist.get_rank() == 0 else None

@@ -119,3 +119,10 @@ def test_safetensors_export_is_whole_and_imports_into_another_plan(runs):
         assert torch.equal(hf["tensors"][k], saved[k]), k
     for k in names:
         assert torch.equal(runs["bad"]["imported"][k], saved[k]), k
+
+
+@pytest.mark.parametrize("case", ["zero3<-mdp", "2.5d<-mdp", "zero2<-zero2", "zero3<-pp"])
+def test_migration_cost_predicted_from_metadata_equals_bytes_read(runs, case):
+    """The price of a migration before it runs: each rank's bytes from the checkpoint's metadata."""
+    loaded = runs[case]["loaded"]
+    assert loaded["predicted"] == loaded["measured"] and min(loaded["measured"]) > 0
