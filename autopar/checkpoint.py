@@ -365,8 +365,13 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, *, stats: di
     """Load a checkpoint ``save`` wrote into ``model`` (parallelized with any plan, mesh or world
     size) and ``optimizer``; returns the ``extra`` it was saved with. Every rank calls it. A
     missing, corrupted or foreign checkpoint raises ``CheckpointError`` and leaves model and
-    optimizer unchanged. ``stats``, if given, receives what the load cost (the price of a
-    migration to this plan): ``bytes_read`` by this rank, ``bytes_read_per_rank``, ``seconds``."""
+    optimizer unchanged: checksums, model and optimizer are checked before anything is read.
+    Then pieces are read straight into the model's tensors (and into optimizer state tensors
+    that already exist), so a load holds the rank's state plus DCP's read buffer, not a second
+    copy; only ZeRO-2 pieces (read as the cut piece, then split) and new optimizer state take
+    fresh memory. (An I/O error in the middle of reading can leave the model partly loaded.)
+    ``stats``, if given, receives what the load cost (the price of a migration to this plan):
+    ``bytes_read`` by this rank, ``bytes_read_per_rank``, ``seconds``."""
     started = time.perf_counter()
     path = str(path)
     record, metadata = read_record(path)
@@ -374,14 +379,19 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, *, stats: di
     views = shard_views(model)
     by_id = _check_optimizer(path, record, views, optimizer) if optimizer is not None else {}
     state: dict[str, Any] = {}
-    for v in views:
-        state[f"{_MODEL}{v.name}"] = empty_dtensor(v, v.info.tensor.dtype)
+    for v in views:  # in place where the local tensor is the cut piece itself
+        state[f"{_MODEL}{v.name}"] = empty_dtensor(v, v.info.tensor.dtype) if v.zero_groups else to_dtensor(v, v.info.tensor)
     opt_kinds = record["optimizer"]["state"] if optimizer is not None else {}
     for v in by_id.values():
+        held = optimizer.state.get(v.info.tensor, {})
         for key, kind in opt_kinds.get(v.name, {}).items():
             k = f"{_OPTIM}{v.name}/{key}"
             md = metadata.state_dict_metadata[k] if kind in ("sharded", "replicated") else None
-            if kind == "sharded":
+            mine = held.get(key)
+            if kind == "sharded" and not v.zero_groups and isinstance(mine, torch.Tensor) and \
+                    _is_sharded_state(mine, v.info.tensor) and mine.dtype == md.properties.dtype:
+                state[k] = to_dtensor(v, mine)  # the optimizer's own tensor, in place
+            elif kind == "sharded":
                 state[k] = empty_dtensor(v, md.properties.dtype)
             elif kind == "replicated":
                 state[k] = torch.empty(md.size, dtype=md.properties.dtype)
@@ -393,10 +403,10 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, *, stats: di
         dcp.load(state, storage_reader=reader)
     except Exception as exc:  # noqa: BLE001 - DCP wraps per-rank failures; name the checkpoint
         raise CheckpointError(f"reading checkpoint {path!r} failed: {exc}") from exc
-    # Everything is read and checked: only now do model and optimizer change.
     with torch.no_grad():
         for v in views:
-            v.info.tensor.copy_(to_local_piece(v, state[f"{_MODEL}{v.name}"]))
+            if v.zero_groups:  # the others were read in place
+                v.info.tensor.copy_(to_local_piece(v, state[f"{_MODEL}{v.name}"]))
     if optimizer is not None:
         _apply_optimizer(record["optimizer"], state, by_id, optimizer)
     if stats is not None:
