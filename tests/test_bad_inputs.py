@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autopar
+from autopar.checkpoint import CheckpointError
 from autopar.cost_model.hardware import HardwareError
 from autopar.cost_model.ilp import InfeasibleBudgetError
 from autopar.errors import AutoparError, BadArgumentError, TraceError
@@ -107,6 +108,13 @@ def _gpt():
 MODELS: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
     "mlp": _mlp, "gpt": _gpt, "branchy": _branchy, "noparams": lambda: (NoParams(), (torch.randn(4, 4),)),
 }
+
+
+def _load_checkpoint(c, path) -> None:
+    """``autopar.checkpoint.load`` into a parallelized model (the user's model is what must not change)."""
+    from autopar import checkpoint
+
+    checkpoint.load(path, parallelize(c.model, example_inputs=c.inputs))
 
 
 def _lazy_other_shape(c) -> None:
@@ -331,6 +339,10 @@ API_ROWS = [
         "lr=-1.0", "pass 0.0 <= lr", "mlp"),
     Api("LARS: momentum of 1 or more", lambda c: LARS(c.model.parameters(), lr=0.1, momentum=2.0),
         OptimizerConfigError, "momentum=2.0", "0.0 <= momentum < 1.0", "mlp"),
+    Api("checkpoint.load: no such directory", lambda c: _load_checkpoint(c, c.file("nockpt")), CheckpointError,
+        "nockpt", "no checkpoint directory", "mlp", pg=True),
+    Api("checkpoint.load: a folder that is not a checkpoint", lambda c: _load_checkpoint(c, c.files), CheckpointError,
+        "not an autopar checkpoint", "load an earlier checkpoint", "mlp", pg=True),
     Api("parallelize: model with no parameters", lambda c: parallelize(c.model, example_inputs=c.inputs),
         BadArgumentError, "NoParams", "nn.ModuleList", "noparams", pg=True),
 ]
