@@ -98,10 +98,11 @@ def test_a_sequence_that_fits_only_when_split_is_planned_and_run_with_it(launch)
     assert plan.peak_memory_bytes_per_device <= LONG_SEQ_BUDGET
     assert "SP" in layout_kind(plan)
     assert "sequence parallel" in format_report(plan)
-    # the same budget without sequence parallelism: tensor parallelism (activations whole
-    # between layers), data parallelism (a batch of one) and ZeRO cannot fit
+    # the same budget without sequence parallelism (and without recompute, which trades time
+    # for the same memory): tensor parallelism (activations whole between layers), data
+    # parallelism (a batch of one) and ZeRO cannot fit
     model, inputs = build(case[0])
     for family in ("megatron", "dp", "zero3", "megatron-dp"):
         with pytest.raises(AutoparError):
             autopar.plan(model, 4, inputs, hardware="a100-80gb", mixed_precision=False, strategy=family,
-                         memory_budget_bytes=LONG_SEQ_BUDGET, baselines=False, pipeline=False)
+                         memory_budget_bytes=LONG_SEQ_BUDGET, baselines=False, pipeline=False, recompute="none")
