@@ -4,6 +4,7 @@ single-process run, every rank's Parameters (the very objects the optimizer was 
 the plan's shards; a meta-device Llama loaded from a save_pretrained directory under megatron,
 zero3 and auto, or initialized on its shards, equals one process; hardware from where it runs."""
 
+import json
 import os
 import sys
 
