@@ -2,7 +2,7 @@
 
 Each rank runs exactly the single-device loop plus ``model = autopar.parallelize(model, ...)``:
 the optimizer is built on ``model.parameters()`` before the first forward, no example inputs are
-given. Rank 0 saves losses, the gathered first-step gradients and the gathered parameters after
+given. Rank 0 returns losses, the gathered first-step gradients and the gathered parameters after
 the last step, each rank's shard check against the plan, and the bytes sent per collective.
 """
 
@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_cases import EPS, LR, STEPS, _all_ranks, _shard_mismatches  # noqa: E402
+from dist_cases import EPS, LR, STEPS, all_ranks, shard_mismatches  # noqa: E402
+from launcher import scratch_dir  # noqa: E402
 
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
              vocab_size=128, max_position_embeddings=64, use_cache=False, attn_implementation="sdpa",
@@ -76,14 +77,14 @@ def run_case(name: str, options: dict) -> dict:
     params = {s.tensor for s in shards if s.is_param}
     return dict(
         losses=losses, grads=grads, params=model.full_state_dict(), sent=sent, predicted=dict(model.plan.comm_bytes),
-        shard_mismatches=[m for ms in _all_ranks(_shard_mismatches(model)) for m in ms],
+        shard_mismatches=[m for ms in all_ranks(shard_mismatches(model)) for m in ms],
         cut_params=sum(1 for s in shards if s.is_param and s.split_axes),
-        local_numel=_all_ranks(sum(s.tensor.numel() for s in shards if s.is_param and s.tied_to is None)),
+        local_numel=all_ranks(sum(s.tensor.numel() for s in shards if s.is_param and s.tied_to is None)),
         # the optimizer built before planning steps exactly this rank's shards
         optimizer_holds_shards=len(opt_params) == len(params) and all(any(p is q for q in params) for p in opt_params),
         devices=sorted({p.device.type for p in opt_params}), hardware=model.plan.hardware,
         mixed_precision=model.plan.mixed_precision, mesh=str(model.plan.mesh), output_type=out_type,
-        peak_source_bytes=_all_ranks(model.parallel_module.shard_source_peak_bytes))
+        peak_source_bytes=all_ranks(model.parallel_module.shard_source_peak_bytes))
 
 
 def signature_error() -> str:
@@ -100,30 +101,19 @@ def signature_error() -> str:
     return ""
 
 
-def main(rank: int, world: int, port: int, cases: list, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for key, name, options in cases:
-            try:
-                results[key] = dict(refused=signature_error()) if name == "signature" else run_case(name, options)
-            except Exception as exc:  # reported per case by the test
-                import traceback
-
-                results[key] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"}
-            dist.barrier()
-    finally:
-        if rank == 0:
-            torch.save(results, out_path)
-        dist.destroy_process_group()
+def save_llama(rank: int, world: int, path: str) -> str:
+    """Rank 0 writes the tiny Llama with save_pretrained (safetensors) under the shared scratch dir."""
+    path = os.path.join(scratch_dir(), path)
+    if rank == 0:
+        llama().save_pretrained(path)
+    dist.barrier()
+    return path
 
 
-if __name__ == "__main__":
-    import json
-
-    import torch.multiprocessing as mp
-
-    world, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    mp.spawn(main, args=(world, port, json.loads(sys.argv[4]), out_path), nprocs=world)
+def case(rank: int, world: int, name: str, options: dict) -> dict:
+    """One case on this rank (run by tests/launcher.py); ``weights`` is relative to the scratch dir."""
+    if name == "signature":
+        return dict(refused=signature_error())
+    if "weights" in options:
+        options = dict(options, weights=os.path.join(scratch_dir(), options["weights"]))
+    return run_case(name, options)

@@ -1,4 +1,4 @@
-"""Multi-process checkpoint cases, run by tests/test_checkpoint.py: one launch per phase (gloo on CPU).
+"""Multi-process checkpoint cases of tests/test_checkpoint.py: one case per phase (tests/launcher.py).
 
 Phase ``save`` (4 ranks): train a 4-layer tiny GPT 2 AdamW steps under megatron-dp (dp=2,tp=2) and
 under zero2 (dp=4: flat padded pieces) and save each; record the full weights and optimizer state
@@ -7,7 +7,7 @@ checkpoint, trains 3 steps and saves its own.
 Phase ``load2`` (2 ranks) and ``load8`` (8 ranks): load those checkpoints into other plans (zero3,
 zero2 on dp=2, 2.5d on 8 ranks), record what was loaded (gathered) and train 3 more steps; and
 feed ``load`` a foreign, a corrupted, an incomplete and a malicious checkpoint.
-Rank 0 saves the records; the test compares them bitwise with what was saved and with a
+Rank 0 returns the records; the test compares them bitwise with what was saved and with a
 single-process run.
 """
 
@@ -22,6 +22,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
+from launcher import scratch_dir
 
 K, MORE = 2, 3          # steps before the checkpoint, steps after loading it
 LR, EPS = 1e-3, 1e-6    # as tests/dist_cases.py
@@ -145,9 +146,14 @@ def _rewrite_manifest(path: str) -> None:
         json.dump(manifest, f)
 
 
+def _evil_marker() -> str:
+    """The file the malicious checkpoint would create if loading it ran its pickle."""
+    return os.path.join(scratch_dir(), "evil_ran")
+
+
 class _Evil:
     def __reduce__(self):
-        return (os.system, (f"touch {os.environ['AUTOPAR_EVIL_MARKER']}",))
+        return (os.system, (f"touch {_evil_marker()}",))
 
 
 def bad_checkpoints(ckpt: str) -> dict:
@@ -192,7 +198,7 @@ def bad_checkpoints(ckpt: str) -> dict:
     from autopar.safetensors_io import import_safetensors
 
     import_safetensors(os.path.join(ckpt, "hf"), pm)  # exported by the zero3<-mdp case
-    return dict(errors=errors, before=before, after=after, evil_ran=os.path.exists(os.environ["AUTOPAR_EVIL_MARKER"]),
+    return dict(errors=errors, before=before, after=after, evil_ran=os.path.exists(_evil_marker()),
                 imported={k: v.clone() for k, v in pm.full_state_dict().items()})
 
 
@@ -206,20 +212,6 @@ PHASES = {
 }
 
 
-def main(rank: int, world: int, port: int, phase: str, ckpt: str, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results = PHASES[phase](ckpt)
-        if rank == 0:
-            torch.save(results, out_path)
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    world, port, phase, ckpt, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-    mp.spawn(main, args=(world, port, phase, ckpt, out_path), nprocs=world)
+def phase(rank: int, world: int, name: str) -> dict:
+    """One phase on this rank (run by tests/launcher.py); checkpoints live under the scratch dir."""
+    return PHASES[name](os.path.join(scratch_dir(), "ckpt"))

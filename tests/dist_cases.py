@@ -2,15 +2,13 @@
 
 Each rank runs every case: parallelize a freshly seeded model under a plan family, train 3
 AdamW steps, and record losses, the gathered gradients of the first step, the gathered
-parameters after the last step, and the bytes sent per collective per step. Rank 0 saves
-them; the test compares them with a single-process run of the same model.
+parameters after the last step, and the bytes sent per collective per step. Rank 0's record
+goes back to the test (tests/launcher.py), which compares it with a single-process run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -22,6 +20,23 @@ LR = 1e-3
 # eps well above fp32 noise: with the default 1e-8, a gradient that is ~0 up to rounding turns
 # into a full-size update whose sign is the rounding noise, in the single-device run as well.
 EPS = 1e-6
+
+
+def train_single(model, args, kwargs=None, steps: int = STEPS, lr: float = LR, eps: float = EPS):
+    """The single-process reference, no autopar: ``steps`` AdamW steps on the same batch.
+    Returns the losses, the first step's gradients and the state dict after the last step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    losses, grads = [], None
+    for step in range(steps):
+        out = model(*args, **(kwargs or {}))
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        loss.backward()
+        if step == 0:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {k: v.detach() for k, v in model.state_dict().items()}
 
 
 # An op autopar has no sharding rule for (a custom op with its own autograd): the planner must
@@ -132,7 +147,7 @@ def _expected_piece(shape, dim_axes, coords, sizes) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _shard_mismatches(pm) -> list[str]:
+def shard_mismatches(pm) -> list[str]:
     """Every parameter and buffer whose local tensor is not the piece the plan's layout names."""
     sizes = pm.plan.mesh.sizes
     rank, coords = dist.get_rank(), []
@@ -165,7 +180,7 @@ def _single_flops(name: str) -> int:
     return counter.get_total_flops()
 
 
-def _all_ranks(obj) -> list:
+def all_ranks(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -207,10 +222,10 @@ def run_case(name: str, family: str, mesh: str | None, options: dict | None = No
         spied_per_step.append(spy.sent)
         opt.step()
         opt.zero_grad()
-    mismatched = [m for ms in _all_ranks(_shard_mismatches(pm)) for m in ms]
+    mismatched = [m for ms in all_ranks(shard_mismatches(pm)) for m in ms]
     return dict(losses=losses, grads=grads, params=pm.full_state_dict(), sent=sent_per_step,
-                sent_by_rank=_all_ranks(sent_per_step), spied_by_rank=_all_ranks(spied_per_step),
-                flops_by_rank=_all_ranks(flops.get_total_flops()), single_flops=_single_flops(name),
+                sent_by_rank=all_ranks(sent_per_step), spied_by_rank=all_ranks(spied_per_step),
+                flops_by_rank=all_ranks(flops.get_total_flops()), single_flops=_single_flops(name),
                 shard_mismatches=mismatched, cut_params=sum(1 for s in pm.shards() if s.is_param and s.split_axes),
                 predicted=dict(pm.plan.comm_bytes), mesh=str(pm.plan.mesh), unknown_ops=unknown_ops,
                 strategies={n.name: n.strategy for n in pm.plan.nodes},
@@ -227,30 +242,7 @@ def case_key(case) -> str:
     return f"{name}/{family}/{mesh}{extra}"
 
 
-def main(rank: int, world: int, port: int, cases: list, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for name, family, mesh, *options in cases:
-            key = case_key((name, family, mesh, *options))
-            try:
-                results[key] = run_case(name, family, mesh, *options)
-            except Exception as exc:  # reported per case by the test
-                results[key] = {"error": f"{type(exc).__name__}: {exc}"}
-            dist.barrier()
-    finally:
-        if rank == 0:
-            torch.save(results, out_path)
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import json
-
-    import torch.multiprocessing as mp
-
-    world, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    cases = json.loads(sys.argv[4])
-    mp.spawn(main, args=(world, port, cases, out_path), nprocs=world)
+def case(rank: int, world: int, spec: tuple) -> dict:
+    """One (name, family, mesh[, options]) case on this rank (run by tests/launcher.py)."""
+    name, family, mesh, *options = spec
+    return run_case(name, family, mesh, *options)

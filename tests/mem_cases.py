@@ -83,28 +83,6 @@ def run_case(name: str, options: dict) -> dict:
                 strategies={n.name: n.strategy for n in pm.plan.nodes})
 
 
-def main(rank: int, world: int, port: int, cases: list, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for name, options in cases:
-            try:
-                results[case_key((name, options))] = run_case(name, options)
-            except Exception as exc:  # reported per case by the test
-                results[case_key((name, options))] = {"error": f"{type(exc).__name__}: {exc}"}
-            dist.barrier()
-    finally:
-        if rank == 0:
-            torch.save(results, out_path)
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import json
-
-    import torch.multiprocessing as mp
-
-    world, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    mp.spawn(main, args=(world, port, json.loads(sys.argv[4]), out_path), nprocs=world)
+def case(rank: int, world: int, name: str, options: dict) -> dict:
+    """One case on this rank (run by tests/launcher.py)."""
+    return run_case(name, options)

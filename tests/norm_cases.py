@@ -1,12 +1,8 @@
-"""Worker for tests/test_sharded_norm.py: layer norm with the hidden dim split over one axis
-(runtime.sharded_norm) on 4 gloo ranks, over the world and both axes of a 2x2 mesh; each rank
+"""Cases of tests/test_sharded_norm.py (one case of tests/launcher.py): layer norm with the hidden
+dim split over one axis (runtime.sharded_norm) on 4 gloo ranks, over the world and both axes of a 2x2 mesh; each rank
 returns its output and gradient pieces next to the single-process reference's."""
 
 from __future__ import annotations
-
-import datetime
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -14,10 +10,8 @@ import torch.distributed as dist
 CASES = [("world", (3, 5, 16), True), ("inner", (4, 8), True), ("outer", (2, 3, 8), False), ("inner", (6, 12), False)]
 
 
-def main(rank: int, world: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+def all_cases(rank: int, world: int) -> list:
+    """Every case on this rank (run by tests/launcher.py): [each rank's records]."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.runtime.collectives import AxisGroup, count_bytes
@@ -50,13 +44,4 @@ def main(rank: int, world: int, port: int, out_path: str) -> None:
             sent=dict(sent), rows=x.numel() // shape[-1], n=g.size))
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
-    if rank == 0:
-        torch.save(gathered, out_path)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    world, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    mp.spawn(main, args=(world, port, out_path), nprocs=world)
+    return gathered

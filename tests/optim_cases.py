@@ -2,18 +2,17 @@
 one launch for every plan family. Per family the model is parallelized once; from the same
 initial weights each optimizer trains STEPS steps twice: as shipped (trust-ratio norms reduced
 over each parameter's split axes) and with every Parameter's ShardInfo removed (each rank's
-norm of its own piece: what a per-rank optimizer from any library computes). Rank 0 saves the
+norm of its own piece: what a per-rank optimizer from any library computes). Rank 0 returns the
 gathered parameters of each run, the bytes the optimizer step sent, and whether every local
 piece has the shape the plan's layout gives."""
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
+from dist_cases import shard_mismatches
 
 STEPS = 5
 TIGHT = {"memory_budget_bytes": 2e6}  # the planner's own choice shards the tiny GPT under it
@@ -54,30 +53,6 @@ def train(model_or_pm, inputs, kind: str) -> dict:
     return dict(sent=sent, step_sent=step_sent, loss=loss.item())
 
 
-def shape_mismatches(pm) -> list[str]:
-    """Local pieces whose shape is not what torch.chunk of the global shape over the plan's cuts
-    gives (then flattened, padded and split over the ZeRO-2 axes)."""
-    sizes, rank, coords = pm.plan.mesh.sizes, dist.get_rank(), []
-    for s in reversed(sizes):
-        coords.append(rank % s)
-        rank //= s
-    coords = coords[::-1]
-    bad = []
-    for info in pm.shards():
-        shape = list(info.global_shape)
-        for axis, dim in info.dim_axes:
-            shape[dim] = torch.arange(shape[dim]).chunk(sizes[axis])[coords[axis]].numel()
-        want = tuple(shape)
-        if info.zero2_axes:
-            k = 1
-            for a in info.zero2_axes:
-                k *= sizes[a]
-            want = (-(-torch.Size(shape).numel() // k),)
-        if tuple(info.tensor.shape) != want:
-            bad.append(f"{info.name}: {tuple(info.tensor.shape)} != {want}")
-    return bad
-
-
 def run_family(family: str, mesh: str | None, options: dict) -> dict:
     from autopar.runtime import parallelize
     from autopar.runtime.shard_info import SHARD_ATTR, tag_parameters
@@ -88,7 +63,7 @@ def run_family(family: str, mesh: str | None, options: dict) -> dict:
                      mesh=mesh, baselines=False, optimizer="lamb", **options)  # prices the norm all-reduces
     # full_state_dict returns unsplit tensors as views of the live parameters: clone to keep them
     start = {k: v.clone() for k, v in pm.full_state_dict().items()}
-    out = dict(mesh=str(pm.plan.mesh), predicted=dict(pm.plan.comm_bytes), parallelize_seconds=time.perf_counter() - t0, mismatches=shape_mismatches(pm),
+    out = dict(mesh=str(pm.plan.mesh), predicted=dict(pm.plan.comm_bytes), parallelize_seconds=time.perf_counter() - t0, mismatches=shard_mismatches(pm),
                cut=sorted(s.name for s in pm.shards() if s.is_param and s.split_axes))
     for kind in ("lamb", "lars"):
         for reduced in (True, False):
@@ -106,35 +81,10 @@ def run_family(family: str, mesh: str | None, options: dict) -> dict:
     return out
 
 
-def main(rank: int, world: int, port: int, out_path: str, only: tuple[str, ...] = ()) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for family, mesh, options in FAMILIES:
-            if only and family not in only:
-                continue
-            try:
-                r = run_family(family, mesh, options)
-                gathered = [None] * world
-                dist.all_gather_object(gathered, r.pop("mismatches"))
-                r["mismatches"] = [m for ms in gathered for m in ms]
-                results[family] = r
-            except Exception as exc:  # reported per family by the test
-                import traceback
-
-                results[family] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"}
-            dist.barrier()
-    finally:
-        if rank == 0:
-            torch.save(results, out_path)
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    world, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    only = tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else ()  # a subset of families, by name
-    mp.spawn(main, args=(world, port, out_path, only), nprocs=world)
+def case(rank: int, world: int, family: str, mesh: str | None, options: dict) -> dict:
+    """One family on this rank (run by tests/launcher.py); shape mismatches gathered from every rank."""
+    r = run_family(family, mesh, options)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, r.pop("mismatches"))
+    r["mismatches"] = [m for ms in gathered for m in ms]
+    return r

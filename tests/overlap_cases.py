@@ -1,7 +1,5 @@
-"""Ranks of tests/test_overlap.py (one gloo launch): bucketed overlapped gradient sync and
+"""Cases of tests/test_overlap.py (run by tests/launcher.py): bucketed overlapped gradient sync and
 ZeRO-3 free-and-regather, checked against a single-process run on every rank.
-
-Run: ``python tests/overlap_cases.py WORLD PORT OUT.pt``; rank 0 saves a dict of results.
 """
 
 from __future__ import annotations
@@ -87,29 +85,6 @@ def zero3_memory() -> dict:
     return out
 
 
-def main(rank: int, world: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for key, fn in (("accumulate/gpt-tiny", lambda: accumulate("gpt-tiny")),
-                        ("accumulate/mlp", lambda: accumulate("mlp")), ("zero3-memory", zero3_memory)):
-            try:
-                results[key] = fn()
-            except Exception as exc:  # reported per case by the test
-                import traceback
-
-                results[key] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-            dist.barrier()
-    finally:
-        if rank == 0:
-            torch.save(results, out_path)
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    world, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    mp.spawn(main, args=(world, port, out_path), nprocs=world)
+def case(rank: int, world: int, what: str, name: str | None = None) -> dict:
+    """``accumulate`` on model ``name``, or ``zero3-memory``, on this rank (run by tests/launcher.py)."""
+    return accumulate(name) if what == "accumulate" else zero3_memory()

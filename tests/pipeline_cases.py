@@ -4,13 +4,10 @@ Each rank runs every case: pipeline a freshly seeded 4-layer tiny GPT over ``pp`
 planned and lowered on its sub-mesh), train a few AdamW steps with a torch.distributed.pipelining
 schedule, and record per rank: the losses, the gathered gradients of the first step, the gathered
 parameters after the last, the bytes each rank's collectives sent per step against the stage
-plan's prediction, and the peak bytes of activations held for backward. Rank 0 saves them all.
+plan's prediction, and the peak bytes of activations held for backward. Rank 0 returns them all.
 """
 
 from __future__ import annotations
-
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -82,32 +79,6 @@ def case_key(case) -> str:
     return f"pp={pp}/{stage_mesh}/{schedule}/m={m}{extra}"
 
 
-def main(rank: int, world: int, port: int, cases: list, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for case in cases:
-            try:
-                results[case_key(case)] = run_case(*case)
-            except Exception as exc:  # reported per case by the test
-                import traceback
-
-                results[case_key(case)] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-                print(f"rank {rank}: {case_key(case)}: {results[case_key(case)]['error']}", file=sys.stderr, flush=True)
-            dist.barrier()
-    finally:
-        if rank == 0:
-            torch.save(results, out_path)
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import json
-
-    import torch.multiprocessing as mp
-
-    world, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    cases = json.loads(sys.argv[4])
-    mp.spawn(main, args=(world, port, cases, out_path), nprocs=world)
+def case(rank: int, world: int, spec: tuple) -> dict:
+    """One (pp, stage mesh, schedule, micro-batches, options) case on this rank (run by tests/launcher.py)."""
+    return run_case(*spec)

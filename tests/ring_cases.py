@@ -1,19 +1,16 @@
-"""Multi-process ring attention cases, run by tests/test_ring_attention.py in one launch of 4 gloo ranks.
+"""Multi-process ring attention cases, run by tests/test_ring_attention.py on 4 gloo ranks
+(one case of tests/launcher.py).
 
 Every rank runs every case. A case draws (from a seed all ranks share) full-sequence q, k, v and an
 upstream gradient, cuts this rank's sequence block on the case's axis group, runs
 :func:`ring_attention` forward and backward while counting the bytes sent, and runs
 ``F.scaled_dot_product_attention`` on the full tensors as the reference. Groups: the world (4),
 both axes of a 2x2 mesh - inner {0,1},{2,3} and outer {0,2},{1,3}, the one whose group-to-global
-rank mapping matters - and groups of one rank. Rank 0 saves every rank's blocks, reference blocks
+rank mapping matters - and groups of one rank. Rank 0 returns every rank's blocks, reference blocks
 and byte counts; tests/test_ring_attention.py compares them.
 """
 
 from __future__ import annotations
-
-import datetime
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -86,27 +83,13 @@ def run_case(index: int, case, groups: dict, keys: dict) -> dict:
     )
 
 
-def main(rank: int, world: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    # A short timeout: a mismatched send/recv fails the launch instead of hanging it.
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        from autopar.runtime.collectives import register_axes
+def all_cases(rank: int, world: int) -> dict:
+    """Every case on this rank (run by tests/launcher.py): {case key: [each rank's record]}."""
+    from autopar.runtime.collectives import register_axes
 
-        groups = _groups()
-        keys = dict(zip(["inner"], register_axes([groups["inner"]])))
-        mine = {case_key(c): run_case(i, c, groups, keys) for i, c in enumerate(CASES)}
-        per_rank: list = [None] * world
-        dist.all_gather_object(per_rank, mine)
-        if rank == 0:
-            torch.save({key: [r[key] for r in per_rank] for key in mine}, out_path)
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    world, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    mp.spawn(main, args=(world, port, out_path), nprocs=world)
+    groups = _groups()
+    keys = dict(zip(["inner"], register_axes([groups["inner"]])))
+    mine = {case_key(c): run_case(i, c, groups, keys) for i, c in enumerate(CASES)}
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, mine)
+    return {key: [r[key] for r in per_rank] for key in mine}

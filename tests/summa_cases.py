@@ -1,12 +1,10 @@
-"""Ranks of tests/test_summa.py (one gloo launch): SUMMA matmul on several process grids.
+"""Cases of tests/test_summa.py (one case of tests/launcher.py): SUMMA matmul on several process grids.
 
 Each case builds the global A, B and an upstream gradient dC from a fixed seed (the same on
 every rank and in the test), gives each rank of a ``q_r x q_c`` grid its blocks, runs
 ``summa_matmul`` forward and backward, and records the output block, the gradient blocks and
-the bytes sent. Rank 0 saves every rank's record; the test assembles the blocks and compares
+the bytes sent. Rank 0 returns every rank's record; the test assembles the blocks and compares
 them with a single-process ``A @ B``.
-
-Run: ``python tests/summa_cases.py WORLD PORT OUT.pt``.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -120,34 +117,21 @@ def measure_memory(case: Case, row, col) -> dict:
     return out
 
 
-def main(rank: int, world: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    # A rank that fails a case leaves its peers waiting in a collective: time out in a minute.
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+def all_cases(rank: int, world: int) -> dict:
+    """Every case on this rank (run by tests/launcher.py on 6 or more ranks; grids use the first
+    ranks): {case name: [the record of each rank in its grid]}."""
     results: dict = {}
-    try:
-        axes = {grid: grid_axes(*grid) for grid in sorted({c.grid for c in CASES + [MEMORY_CASE]})}
-        jobs = [(c.name, c, run_case) for c in CASES] + [("memory", MEMORY_CASE, measure_memory)]
-        for key, case, fn in jobs:
-            row, col = axes[case.grid]
-            record = None
-            if row is not None:
-                try:
-                    record = fn(case, row, col)
-                except Exception as exc:  # reported per case by the test
-                    record = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-            gathered = [None] * world
-            dist.all_gather_object(gathered, record)
-            results[key] = [r for r in gathered if r is not None]
-    finally:
-        if rank == 0:
-            torch.save(results, out_path)
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    world, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    mp.spawn(main, args=(world, port, out_path), nprocs=world)
+    axes = {grid: grid_axes(*grid) for grid in sorted({c.grid for c in CASES + [MEMORY_CASE]})}
+    jobs = [(c.name, c, run_case) for c in CASES] + [("memory", MEMORY_CASE, measure_memory)]
+    for key, case, fn in jobs:
+        row, col = axes[case.grid]
+        record = None
+        if row is not None:
+            try:
+                record = fn(case, row, col)
+            except Exception as exc:  # reported per case by the test
+                record = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, record)
+        results[key] = [r for r in gathered if r is not None]
+    return results

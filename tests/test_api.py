@@ -13,48 +13,28 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from api_cases import LLAMA, build, llama  # noqa: E402
-from dist_cases import EPS, LR, STEPS  # noqa: E402
-from test_runtime import _free_port  # noqa: E402
+from dist_cases import train_single  # noqa: E402
 
 LOAD_FAMILIES = {"megatron": {"strategy": "megatron"}, "zero3": {"strategy": "zero3"},
                  "auto": {"memory_budget_bytes": 1.3e6}}  # a budget that makes auto shard this tiny model
 
 
-def _cases(ckpt: str) -> list:
-    return ([["gpt", "gpt-tiny", {"strategy": "megatron-dp"}], ["llama", "llama", {"strategy": "megatron-dp"}]]
-            + [[f"load-{f}", "llama-meta", dict(o, weights=ckpt)] for f, o in LOAD_FAMILIES.items()]
-            + [["init", "llama-meta", {"strategy": "zero3", "seed": 3}], ["signature", "signature", {}]])
+LLAMA_DIR = "api-llama"  # under the session's launch scratch dir (tests/launcher.py)
+# In the session's 4-rank launch: the first case writes the checkpoint the load cases read.
+LAUNCH_CASES = {4: [("save-llama", "api_cases:save_llama", {"path": LLAMA_DIR}),
+                    ("gpt", "api_cases:case", {"name": "gpt-tiny", "options": {"strategy": "megatron-dp"}}),
+                    ("llama", "api_cases:case", {"name": "llama", "options": {"strategy": "megatron-dp"}})]
+                   + [(f"load-{f}", "api_cases:case", {"name": "llama-meta", "options": dict(o, weights=LLAMA_DIR)})
+                      for f, o in LOAD_FAMILIES.items()]
+                   + [("init", "api_cases:case", {"name": "llama-meta", "options": {"strategy": "zero3", "seed": 3}}),
+                      ("signature", "api_cases:case", {"name": "signature", "options": {}})]}
 
 
-@pytest.fixture(scope="module")
-def api_run(tmp_path_factory):
-    import subprocess
-
-    root = tmp_path_factory.mktemp("api4")
-    ckpt = str(root / "llama")
-    llama().save_pretrained(ckpt)  # safetensors: config.json + model.safetensors
-    out = root / "results.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    script = os.path.join(os.path.dirname(__file__), "api_cases.py")
-    proc = subprocess.run([sys.executable, script, "4", str(_free_port()), str(out), json.dumps(_cases(ckpt))],
-                          capture_output=True, text=True, timeout=1200, env=env)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-    return torch.load(out, weights_only=False), ckpt
-
-
-def _reference(model, args, kwargs):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], None
-    for step in range(STEPS):
-        out = model(*args, **kwargs)
-        loss = out if isinstance(out, torch.Tensor) else out.loss
-        loss.backward()
-        if step == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, {k: v.detach() for k, v in model.state_dict().items()}
+@pytest.fixture
+def api_run(launched):
+    results = launched(4)
+    assert "error" not in results["save-llama"], results["save-llama"]
+    return results, results["save-llama"]
 
 
 def _assert_equal_runs(r: dict, reference) -> None:
@@ -71,7 +51,7 @@ def _assert_equal_runs(r: dict, reference) -> None:
 
 def _assert_sharded(r: dict, full_numel: int, check_bytes: bool = True) -> None:
     # every rank's every parameter has exactly the shape its planned layout names (chunk arithmetic
-    # in dist_cases._shard_mismatches), some are cut, and no rank holds the whole model
+    # in dist_cases.shard_mismatches), some are cut, and no rank holds the whole model
     assert not r["shard_mismatches"], r["shard_mismatches"][:5]
     assert r["cut_params"] > 0
     assert all(n < full_numel for n in r["local_numel"]), (r["local_numel"], full_numel)
@@ -98,7 +78,7 @@ def test_plain_loop_plus_one_line_equals_one_process(api_run, name):
     r = results[name]
     model, args, kwargs = build("gpt-tiny" if name == "gpt" else "llama")
     full_numel = sum(p.numel() for p in model.parameters())
-    _assert_equal_runs(r, _reference(model, args, kwargs))
+    _assert_equal_runs(r, train_single(model, args, kwargs))
     _assert_sharded(r, full_numel, check_bytes=name == "gpt" or not _UNPRICED_LLAMA_MEGATRON)
     if name == "llama":  # the Hugging Face output type, loss and logits, as one device returns them
         assert r["output_type"] == ("CausalLMOutputWithPast", (8, 16, LLAMA["vocab_size"]))
@@ -114,7 +94,7 @@ def test_meta_model_loads_its_slices_from_save_pretrained(api_run, family):
     _, args, kwargs = build("llama")
     reference = LlamaForCausalLM.from_pretrained(ckpt)
     full_numel = sum(p.numel() for p in reference.parameters())
-    _assert_equal_runs(r, _reference(reference, args, kwargs))
+    _assert_equal_runs(r, train_single(reference, args, kwargs))
     _assert_sharded(r, full_numel, check_bytes=family != "megatron" or not _UNPRICED_LLAMA_MEGATRON)
     # reading slices: no rank held more than its shards plus one whole tensor while loading
     largest = max(p.numel() * 4 for p in reference.parameters())
@@ -132,7 +112,7 @@ def test_meta_init_equals_init_full(api_run):
     missing, _ = model.load_state_dict(init_full(llama("meta"), seed=3), strict=False)
     assert not missing, missing
     _, args, kwargs = build("llama")
-    _assert_equal_runs(r, _reference(model, args, kwargs))
+    _assert_equal_runs(r, train_single(model, args, kwargs))
     _assert_sharded(r, sum(p.numel() for p in model.parameters()))
 
 

@@ -1,7 +1,7 @@
 """Sharded checkpoints (autopar.checkpoint on DCP): save under one plan, load under another.
 
-Three launches (tests/ckpt_cases.py): save at 4 ranks (megatron-dp 2x2, zero2 on dp=4) and load the
-megatron-dp checkpoint into a 2-stage pipeline (4 -> 4); load at 2 ranks (zero3, zero2 on dp=2, and
+Three phases in the session's launches (tests/ckpt_cases.py): save at 4 ranks (megatron-dp 2x2,
+zero2 on dp=4) and load the megatron-dp checkpoint into a 2-stage pipeline (4 -> 4); load at 2 ranks (zero3, zero2 on dp=2, and
 the pipeline's checkpoint into zero3) with the bad checkpoints; load at 8 ranks under 2.5d. What was
 loaded must equal what was saved bitwise (weights and AdamW state, gathered), and 3 more steps
 must equal an uninterrupted single-process run.
@@ -10,8 +10,6 @@ must equal an uninterrupted single-process run.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -21,24 +19,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 from ckpt_cases import EPS, K, LR, MORE, build  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Three phases in the session's 4-, 2- and 8-rank launches (tests/launcher.py); save first: the loads read it.
+PHASES = ((4, "save"), (2, "load2"), (8, "load8"))
+LAUNCH_CASES = {world: [(name, "ckpt_cases:phase", {"name": name})] for world, name in PHASES}
+LAUNCH_ORDER = tuple(world for world, _ in PHASES)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    env = dict(os.environ, OMP_NUM_THREADS="1", AUTOPAR_EVIL_MARKER=str(root / "evil_ran"))
-    script = os.path.join(os.path.dirname(__file__), "ckpt_cases.py")
+@pytest.fixture
+def runs(launched):
     out = {}
-    for world, phase in ((4, "save"), (2, "load2"), (8, "load8")):  # save first: the loads read it
-        path = root / f"{phase}.pt"
-        proc = subprocess.run([sys.executable, script, str(world), str(_free_port()), phase, str(root / "c"), str(path)],
-                              capture_output=True, text=True, timeout=1200, env=env)
-        assert proc.returncode == 0 and path.exists(), proc.stderr[-4000:]
-        out.update(torch.load(path, weights_only=False))
+    for world, name in PHASES:
+        got = launched(world)[name]
+        assert "error" not in got, got["error"]
+        out.update(got)
     return out
 
 

@@ -6,7 +6,6 @@ Every local piece has the shape the plan's layout gives, and each step (forward,
 optimizer) sends exactly the bytes the plan made with ``optimizer="lamb"`` predicts."""
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,19 +13,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from optim_cases import FAMILIES, STEPS, build, make_optimizer  # noqa: E402
-from test_runtime import _free_port  # noqa: E402
 
 KINDS = ("lamb", "lars")
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("optim") / "results.pt"
-    script = os.path.join(os.path.dirname(__file__), "optim_cases.py")
-    proc = subprocess.run([sys.executable, script, "4", str(_free_port()), str(out)], capture_output=True, text=True,
-                          timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+# In the session's 4-rank launch (tests/launcher.py), one case per family.
+LAUNCH_CASES = {4: [(family, "optim_cases:case", {"family": family, "mesh": mesh, "options": options})
+                    for family, mesh, options in FAMILIES]}
+
+
+@pytest.fixture
+def results(launched):
+    return launched(4)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ accumulate; buckets launch while backward runs; bytes equal the plan; ZeRO-3 hol
 with its gathered weights kept for backward."""
 
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -18,17 +16,15 @@ from overlap_cases import wide_mlp  # noqa: E402
 WORLD = 4
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("overlap") / "results.pt"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = os.path.join(os.path.dirname(__file__), "overlap_cases.py")
-    proc = subprocess.run([sys.executable, script, str(WORLD), str(port), str(out)], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+# In the session's 4-rank launch (tests/launcher.py).
+LAUNCH_CASES = {WORLD: [("accumulate/gpt-tiny", "overlap_cases:case", {"what": "accumulate", "name": "gpt-tiny"}),
+                        ("accumulate/mlp", "overlap_cases:case", {"what": "accumulate", "name": "mlp"}),
+                        ("zero3-memory", "overlap_cases:case", {"what": "zero3-memory"})]}
+
+
+@pytest.fixture
+def results(launched):
+    return launched(WORLD)
 
 
 def _accumulated_reference(name):

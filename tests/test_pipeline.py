@@ -2,16 +2,14 @@
 tiny GPT with torch.distributed.pipelining schedules, stages planned and lowered on their sub-mesh,
 equal to the single-process run; 1F1B holds fewer activations than GPipe, as the cost model says."""
 
-import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from dist_cases import train_single  # noqa: E402
 from pipeline_cases import EPS, LR, STEPS, build, case_key  # noqa: E402
 
 # (pp, stage mesh, schedule, micro-batches, options)
@@ -29,46 +27,14 @@ CASES_BY_WORLD = {
 CASES = [(w, c) for w, cases in CASES_BY_WORLD.items() for c in cases]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_LAUNCHES: dict = {}
-
-
-def _launch(world: int, tmp_path_factory) -> dict:
-    if world not in _LAUNCHES:
-        out = tmp_path_factory.mktemp(f"pipe{world}") / "results.pt"
-        script = os.path.join(os.path.dirname(__file__), "pipeline_cases.py")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, script, str(world), str(_free_port()), str(out),
-                               json.dumps(CASES_BY_WORLD[world])], capture_output=True, text=True, timeout=600, env=env)
-        assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-        _LAUNCHES[world] = torch.load(out, weights_only=False)
-    return _LAUNCHES[world]
-
-
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    return lambda world: _launch(world, tmp_path_factory)
+# One launch per world size (tests/launcher.py), shared with other test files' cases.
+LAUNCH_CASES = {w: [(case_key(c), "pipeline_cases:case", {"spec": c}) for c in cases]
+                for w, cases in CASES_BY_WORLD.items()}
 
 
 @pytest.fixture(scope="module")
 def reference():
-    model, inputs = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], None
-    for step in range(STEPS):
-        loss = model(*inputs)
-        loss.backward()
-        if step == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, {k: v.detach() for k, v in model.state_dict().items()}
+    return train_single(*build(), steps=STEPS, lr=LR, eps=EPS)
 
 
 def _id(world_case) -> str:
@@ -76,9 +42,9 @@ def _id(world_case) -> str:
 
 
 @pytest.mark.parametrize("world_case", CASES, ids=[_id(c) for c in CASES])
-def test_pipeline_equals_single_process(world_case, launch, reference, report_line):
+def test_pipeline_equals_single_process(world_case, launched, reference, report_line):
     world, case = world_case
-    got = launch(world)[case_key(case)]
+    got = launched(world)[case_key(case)]
     assert "error" not in got, got.get("error")
     ref_losses, ref_grads, ref_params = reference
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
@@ -108,8 +74,8 @@ def test_pipeline_equals_single_process(world_case, launch, reference, report_li
 @pytest.mark.parametrize("world,pair", [(4, ((4, None, "gpipe", 8, {}), (4, None, "1f1b", 8, {}))),
                                         (8, ((2, "dp=2,tp=2", "gpipe", 4, {"strategy": "megatron-dp"}),
                                              (2, "dp=2,tp=2", "1f1b", 4, {"strategy": "megatron-dp"})))])
-def test_1f1b_holds_fewer_activations_than_gpipe(world, pair, launch, report_line):
-    gpipe, f1b = (launch(world)[case_key(c)] for c in pair)
+def test_1f1b_holds_fewer_activations_than_gpipe(world, pair, launched, report_line):
+    gpipe, f1b = (launched(world)[case_key(c)] for c in pair)
     assert "error" not in gpipe and "error" not in f1b
     for g, f in zip(gpipe["ranks"], f1b["ranks"]):
         # predicted: GPipe m micro-batches in flight, 1F1B p - stage at most

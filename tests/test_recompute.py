@@ -8,17 +8,15 @@ and the planner's own choice under a budget that forces it; each equals the sing
 (the recomputed forward's collectives included) and checkpoints every block it planned to.
 """
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from dist_cases import train_single  # noqa: E402
 from mem_cases import build, case_key  # noqa: E402
-from test_runtime import _free_port  # noqa: E402
+from test_runtime import assert_equal_runs  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.errors import AutoparError  # noqa: E402
@@ -32,7 +30,8 @@ CASES = [("gpt-tiny", dict(MEGATRON, recompute="full")), ("gpt-tiny", dict(MEGAT
          ("gpt-tiny", {"strategy": "zero3", "recompute": "full"}), ("gpt-longseq", LONGSEQ_AUTO)]
 WORLD = 4
 N_BLOCKS = {"gpt-tiny": 2, "hf-llama-tiny": 3, "gpt-longseq": 2}
-_RESULTS: dict = {}
+# In the session's 4-rank launch (tests/launcher.py).
+LAUNCH_CASES = {WORLD: [(case_key(c), "mem_cases:case", {"name": c[0], "options": c[1]}) for c in CASES]}
 
 
 def _plan(name, **options):
@@ -67,34 +66,9 @@ def test_bad_recompute_mode_is_refused_with_the_choices():
         _plan("gpt-tiny", recompute="some")
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    if not _RESULTS:
-        out = tmp_path_factory.mktemp("recompute") / "results.pt"
-        script = os.path.join(os.path.dirname(__file__), "mem_cases.py")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, script, str(WORLD), str(_free_port()), str(out), json.dumps(CASES)],
-                              capture_output=True, text=True, timeout=1200, env=env)
-        assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-        _RESULTS.update(torch.load(out, weights_only=False))
-    return _RESULTS
-
-
-def _reference(name):
-    from dist_cases import EPS, LR, STEPS
-
-    model, inputs = build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], None
-    for step in range(STEPS):
-        loss = model(*inputs)
-        loss.backward()
-        if step == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, {k: v.detach() for k, v in model.state_dict().items()}
+@pytest.fixture
+def results(launched):
+    return launched(WORLD)
 
 
 @pytest.mark.slow
@@ -103,13 +77,7 @@ def test_recomputed_run_equals_single_process_and_bytes_match_plan(results, case
     name, options = case
     r = results[case_key(case)]
     assert "error" not in r, r["error"]
-    losses, grads, params = _reference(name)
-    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-4, atol=1e-6)
-    for k, g in grads.items():
-        torch.testing.assert_close(r["grads"][k], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
-    for k, p in params.items():
-        if k in r["params"]:
-            torch.testing.assert_close(r["params"][k], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"param {k}: {m}")
+    assert_equal_runs(r, train_single(*build(name)), loss_rtol=1e-4)
     # the plan shards (Megatron cuts weights on tp; the long sequence's plan cuts activations)
     assert any("S(" in s for s in r["strategies"].values())
     # the recomputed forward's collectives are in the prediction, and the run sends exactly that:

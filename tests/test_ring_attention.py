@@ -4,10 +4,7 @@ autograd, causal and not, over the world, both axes of a 2x2 mesh and one-rank g
 rank sends equal ring_attention_bytes, which ring_attention_seconds prices."""
 
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -26,26 +23,19 @@ GROUP_RANKS = {"world": [[0, 1, 2, 3]] * 4, "inner": [[0, 1], [0, 1], [2, 3], [2
 TOLERANCE = {"float32": dict(atol=1e-5, rtol=1e-5), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# One case in the session's 4-rank launch (tests/launcher.py): it makes the groups and runs them all.
+LAUNCH_CASES = {WORLD: [("ring", "ring_cases:all_cases", {})]}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ring") / "results.pt"
-    script = os.path.join(os.path.dirname(__file__), "ring_cases.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, script, str(WORLD), str(_free_port()), str(out)], capture_output=True,
-                          text=True, timeout=180, env=env)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-    return dict(torch.load(out, weights_only=False), launch_seconds=time.perf_counter() - start)
+@pytest.fixture
+def results(launched):
+    got = launched(WORLD)["ring"]
+    assert "error" not in got, got["error"]
+    return got
 
 
 def test_every_rank_ran_every_case(results, report_line):
-    report_line(f"ring attention: {len(CASES)} cases on {WORLD} gloo ranks in {results['launch_seconds']:.1f} s")
+    report_line(f"ring attention: {len(CASES)} cases on {WORLD} gloo ranks")
     for case in CASES:
         assert len(results[case_key(case)]) == WORLD
 

@@ -2,17 +2,15 @@
 run equals the single-process run (loss, gradients, parameters after AdamW steps) and sends
 exactly the bytes the plan predicted; plans made for another model or world size are refused."""
 
-import json
+import functools
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_cases import EPS, LR, STEPS, build, case_key  # noqa: E402
+from dist_cases import build, case_key, train_single  # noqa: E402
 
 # A budget of 2 MB makes the tiny transformers' own choice shard (at a100 speeds and no
 # budget, replicating everything is fastest for models this small, and nothing is sent).
@@ -40,61 +38,31 @@ CASES_BY_WORLD = {
 CASES = [(w, c) for w, cases in CASES_BY_WORLD.items() for c in cases]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# One launch per world size (tests/launcher.py), shared with other test files' cases.
+LAUNCH_CASES = {w: [(case_key(c), "dist_cases:case", {"spec": c}) for c in cases] for w, cases in CASES_BY_WORLD.items()}
 
 
-_LAUNCHES: dict = {}
+@functools.lru_cache(maxsize=None)
+def single_process(name: str):
+    """The single-process run of a zoo case model, once per session (many cases compare with it)."""
+    return train_single(*build(name))
 
 
-def _launch(world: int, tmp_path_factory, cases_by_world: dict | None = None, cache: dict | None = None,
-            tag: str = "dist") -> dict:
-    """One multi-process launch per world size runs all of its cases (start-up is ~10 s).
-    Other test files pass their own ``cases_by_world`` and ``cache``."""
-    cases_by_world = CASES_BY_WORLD if cases_by_world is None else cases_by_world
-    cache = _LAUNCHES if cache is None else cache
-    if world not in cache:
-        out = tmp_path_factory.mktemp(f"{tag}{world}") / "results.pt"
-        script = os.path.join(os.path.dirname(__file__), "dist_cases.py")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, script, str(world), str(_free_port()), str(out),
-                               json.dumps(cases_by_world[world])], capture_output=True, text=True, timeout=1200, env=env)
-        assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-        cache[world] = torch.load(out, weights_only=False)
-    return cache[world]
-
-
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    return lambda world: _launch(world, tmp_path_factory)
-
-
-def _reference(name):
-    model, inputs = build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], None
-    for step in range(STEPS):
-        loss = model(*inputs)
-        loss.backward()
-        if step == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, {k: v.detach() for k, v in model.state_dict().items()}
-
-
-def assert_matches_single_process(r: dict, name: str) -> None:
-    """Losses, first-step gradients and final parameters of a parallel run equal one process's."""
-    losses, grads, params = _reference(name)
-    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+def assert_equal_runs(r: dict, reference: tuple, loss_rtol: float = 1e-5) -> None:
+    """Losses, first-step gradients and final parameters of a parallel run equal ``reference``'s
+    (``dist_cases.train_single``)."""
+    losses, grads, params = reference
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), rtol=loss_rtol, atol=1e-6)
     for k, g in grads.items():
         torch.testing.assert_close(r["grads"][k], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
     for k, p in params.items():
         if k in r["params"]:
             torch.testing.assert_close(r["params"][k], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"param {k}: {m}")
+
+
+def assert_matches_single_process(r: dict, name: str) -> None:
+    """A parallel run of zoo case ``name`` equals the single-process run."""
+    assert_equal_runs(r, single_process(name))
 
 
 def assert_every_rank_sends_as_counted(r: dict) -> None:
@@ -123,7 +91,24 @@ def assert_compute_is_split(r: dict, family: str, world: int) -> None:
     # (memory, not time, was short); its plan is checked by shard shapes and bytes instead
 
 
-def _id(world_case) -> str:
+CUTTING_FAMILIES = ("zero2", "zero3", "megatron", "megatron-dp", "2d", "2.5d", "3d", "megatron-sp")
+
+
+def assert_runs_as_planned(r: dict, family: str, world: int) -> None:
+    """Every rank's every parameter is exactly the piece its planned layout names (chunk
+    arithmetic in dist_cases, independent of the runtime's slicing), families that store weights
+    split cut some, every step sends the predicted bytes (counter and spy, every rank), and the
+    compute is split."""
+    assert not r["shard_mismatches"], r["shard_mismatches"][:5]
+    if family in CUTTING_FAMILIES:
+        assert r["cut_params"] > 0, r["cut_params"]
+    for step, sent in enumerate(r["sent"]):
+        assert sent == pytest.approx(r["predicted"]), (step, sent, r["predicted"])
+    assert_every_rank_sends_as_counted(r)
+    assert_compute_is_split(r, family, world)
+
+
+def case_id(world_case) -> str:
     world, case = world_case
     return f"{world}ranks/" + case_key(case).replace("/None", "")
 
@@ -134,11 +119,11 @@ RUN_CASES = [c for c in CASES if not c[1][1].startswith("refuse") and c != INFEA
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_case", RUN_CASES, ids=[_id(c) for c in RUN_CASES])
-def test_parallel_run_equals_single_process_and_bytes_match_plan(launch, world_case, report_line):
+@pytest.mark.parametrize("world_case", RUN_CASES, ids=[case_id(c) for c in RUN_CASES])
+def test_parallel_run_equals_single_process_and_bytes_match_plan(launched, world_case, report_line):
     world, case = world_case
     name, family = case[0], case[1]
-    r = launch(world)[case_key(case)]
+    r = launched(world)[case_key(case)]
     assert "error" not in r, r.get("error")
     if name == "mlp-customop":  # the op without a rule ran replicated, and the user was told
         assert any("autopar_rt.scaled_tanh" in w or "autopar_rt::scaled_tanh" in w for w in r["unknown_ops"]), r
@@ -150,15 +135,7 @@ def test_parallel_run_equals_single_process_and_bytes_match_plan(launch, world_c
     assert r["param_numel"] <= r["full_numel"]
     if family in ("zero2", "zero3"):
         assert r["param_numel"] < r["full_numel"] * 0.75, (r["param_numel"], r["full_numel"])
-    # every rank's every parameter is exactly the piece its planned layout names (chunk
-    # arithmetic in dist_cases, independent of the runtime's slicing), and sharding families cut some
-    assert not r["shard_mismatches"], r["shard_mismatches"][:5]
-    if family in ("zero2", "zero3", "megatron", "megatron-dp"):
-        assert r["cut_params"] > 0, r["cut_params"]
-    for step, sent in enumerate(r["sent"]):
-        assert sent == pytest.approx(r["predicted"]), (step, sent, r["predicted"])
-    assert_every_rank_sends_as_counted(r)
-    assert_compute_is_split(r, family, world)
+    assert_runs_as_planned(r, family, world)
     if family == "auto":  # the planner's own plan must parallelize something, or the case tests nothing
         assert r["cut_params"] > 0 or sum(r["predicted"].values()) > 0, r["strategies"]
     report_line(f"runtime {world} ranks {case_key(case).replace('/None', '')}: mesh {r['mesh']}, bytes/step "
@@ -166,8 +143,8 @@ def test_parallel_run_equals_single_process_and_bytes_match_plan(launch, world_c
 
 
 @pytest.mark.slow
-def test_plan_for_another_model_or_world_size_is_refused(launch):
-    results = launch(4)
+def test_plan_for_another_model_or_world_size_is_refused(launched):
+    results = launched(4)
     other_model = results[case_key(("mlp", "refuse-other-model", None))]
     assert "made for another model" in other_model["refused"] and "re-plan" in other_model["refused"]
     other_world = results[case_key(("gpt-tiny", "refuse-other-world", None))]
@@ -175,16 +152,16 @@ def test_plan_for_another_model_or_world_size_is_refused(launch):
 
 
 @pytest.mark.slow
-def test_a_plan_that_fails_on_rank_0_fails_on_every_rank(launch):
+def test_a_plan_that_fails_on_rank_0_fails_on_every_rank(launched):
     # rank 0 plans; when that fails the others must raise too, not wait for a plan forever
     # (the launch finishing at all is the check; rank 0 reports the planner's own error)
-    r = launch(INFEASIBLE[0])[case_key(INFEASIBLE[1])]
+    r = launched(INFEASIBLE[0])[case_key(INFEASIBLE[1])]
     assert "no plan fits the memory budget" in r.get("error", ""), r
 
 
 @pytest.mark.slow
-def test_outputs_can_stay_cut_where_the_plan_leaves_them(launch):
-    r = launch(4)[case_key(("local-outputs", "dp", None))]
+def test_outputs_can_stay_cut_where_the_plan_leaves_them(launched):
+    r = launched(4)[case_key(("local-outputs", "dp", None))]
     assert "error" not in r, r.get("error")
     assert r["single"] < 1e-5  # the whole output is the single-device one
     assert r["err"] == 0 and r["piece_shape"] == (4, 16) and r["whole_shape"] == (16, 16)

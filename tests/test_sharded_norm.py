@@ -3,28 +3,26 @@ one launch of 4 gloo ranks; every rank's output and input/weight/bias gradient p
 single-process layer norm's (fp64), and the bytes sent equal cost_model.algorithms' price."""
 
 import os
-import subprocess
 import sys
 
 import pytest
-import torch
 
 from autopar.cost_model.algorithms import sharded_norm_steps
 from autopar.cost_model.comm import bytes_sent_per_rank
 
 sys.path.insert(0, os.path.dirname(__file__))
 from norm_cases import CASES  # noqa: E402
-from test_runtime import _free_port  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("norm") / "results.pt"
-    script = os.path.join(os.path.dirname(__file__), "norm_cases.py")
-    proc = subprocess.run([sys.executable, script, "4", str(_free_port()), str(out)], capture_output=True, text=True,
-                          timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+# One case in the session's 4-rank launch (tests/launcher.py).
+LAUNCH_CASES = {4: [("norm", "norm_cases:all_cases", {})]}
+
+
+@pytest.fixture
+def results(launched):
+    got = launched(4)["norm"]
+    assert "error" not in got, got
+    return got
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{a}-{'x'.join(map(str, s))}-{'affine' if f else 'plain'}"

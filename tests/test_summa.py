@@ -1,4 +1,4 @@
-"""SUMMA matmul on real gloo ranks (one launch of 6): on 2x2, 1x4, 4x1, 2x3 and 3x2 grids the
+"""SUMMA matmul on real gloo ranks (the first 6 of an 8-rank launch): on 2x2, 1x4, 4x1, 2x3 and 3x2 grids the
 output and gradient blocks equal a single-process ``A @ B`` and its autograd gradients, the
 bytes sent equal ``summa_bytes``, and a forward holds one panel of A and one of B where the
 all-gather approach holds whole panels. The closed forms are checked against the plain
@@ -6,8 +6,6 @@ approach without processes."""
 
 import math
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -21,20 +19,18 @@ from autopar.mesh import Link  # noqa: E402
 from autopar.runtime.collectives import AxisGroup  # noqa: E402
 from autopar.runtime.summa import summa_bytes, summa_matmul, summa_peak_extra_bytes, summa_seconds  # noqa: E402
 
-WORLD = 6  # 2x3 and 3x2 grids, where neither axis divides the other; smaller grids use the first ranks
+WORLD = 8  # the 8-rank launch; 2x3 and 3x2 grids (neither axis divides the other) and smaller ones use the first ranks
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("summa") / "results.pt"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = os.path.join(os.path.dirname(__file__), "summa_cases.py")
-    proc = subprocess.run([sys.executable, script, str(WORLD), str(port), str(out)], capture_output=True, text=True,
-                          timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+# One case in the session's 8-rank launch (tests/launcher.py); the grids use the first ranks.
+LAUNCH_CASES = {WORLD: [("summa", "summa_cases:all_cases", {})]}
+
+
+@pytest.fixture
+def results(launched):
+    got = launched(WORLD)["summa"]
+    assert "error" not in got, got["error"]
+    return got
 
 
 def _assemble(blocks: dict, q_r: int, q_c: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Multi-dimensional tensor parallel and sequence parallel plans, run for real (gloo, one
-launch per world size): 2D on a 2x2 grid, 2.5D and 3D on 2x2x2, Ulysses, ring attention and
+launch per world size, shared): 2D on a 2x2 grid, 2.5D and 3D on 2x2x2, Ulysses, ring attention and
 Megatron-SP on 4 ranks, for the tiny GPT and the tiny BERT. Each equals the single-process run
 (loss, gradients, parameters after 3 AdamW steps) and sends exactly the bytes its plan
 predicts. A sequence too long to fit without sequence parallelism is planned and run with it."""
@@ -8,12 +8,10 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_cases import build, case_key  # noqa: E402
-from test_runtime import (_id, _launch, assert_compute_is_split, assert_every_rank_sends_as_counted,  # noqa: E402
-                          assert_matches_single_process)
+from test_runtime import assert_matches_single_process, assert_runs_as_planned, case_id  # noqa: E402
 
 LONG_SEQ_BUDGET = 4.2e6  # bytes per device: fits with the sequence split, not without (see below)
 SUMMA_BUDGET = 0.95e6  # 2D under this budget runs linear layers by SUMMA's panel loop
@@ -26,12 +24,8 @@ CASES_BY_WORLD = {
           ("bert-tiny", "megatron-sp", None)],
 }
 CASES = [(w, c) for w, cases in CASES_BY_WORLD.items() for c in cases]
-_LAUNCHES: dict = {}
-
-
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    return lambda world: _launch(world, tmp_path_factory, CASES_BY_WORLD, _LAUNCHES, "tp")
+# One launch per world size (tests/launcher.py), shared with other test files' cases.
+LAUNCH_CASES = {w: [(case_key(c), "dist_cases:case", {"spec": c}) for c in cases] for w, cases in CASES_BY_WORLD.items()}
 
 
 def _plan(case, world):
@@ -48,22 +42,16 @@ EXPECTED_KIND = {"2d": "2D", "2.5d": "2.5D", "3d": "3D", "ulysses": "SP", "ring"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_case", CASES, ids=[_id(c) for c in CASES])
-def test_layout_runs_equal_single_process_and_bytes_match(launch, world_case, report_line):
+@pytest.mark.parametrize("world_case", CASES, ids=[case_id(c) for c in CASES])
+def test_layout_runs_equal_single_process_and_bytes_match(launched, world_case, report_line):
     from autopar.tp_families import layout_kind
 
     world, case = world_case
     name, family = case[0], case[1]
-    r = launch(world)[case_key(case)]
+    r = launched(world)[case_key(case)]
     assert "error" not in r, r.get("error")
     assert_matches_single_process(r, name)
-    for step, sent in enumerate(r["sent"]):
-        assert sent == pytest.approx(r["predicted"]), (step, sent, r["predicted"])
-    assert_every_rank_sends_as_counted(r)
-    assert not r["shard_mismatches"], r["shard_mismatches"][:5]  # each rank's pieces are the plan's
-    if family in ("2d", "2.5d", "3d", "megatron-sp"):  # weights stored split
-        assert r["cut_params"] > 0
-    assert_compute_is_split(r, family, world)
+    assert_runs_as_planned(r, family, world)  # pieces, bytes (every rank and step), split compute
     plan = _plan(case, world)
     assert str(plan.mesh) == r["mesh"] and plan.comm_bytes == pytest.approx(r["predicted"])
     kind = layout_kind(plan)
@@ -85,14 +73,14 @@ def test_layout_runs_equal_single_process_and_bytes_match(launch, world_case, re
 
 
 @pytest.mark.slow
-def test_a_sequence_that_fits_only_when_split_is_planned_and_run_with_it(launch):
+def test_a_sequence_that_fits_only_when_split_is_planned_and_run_with_it(launched):
     import autopar
     from autopar.errors import AutoparError
     from autopar.report import format_report
     from autopar.tp_families import layout_kind
 
     case = CASES_BY_WORLD[4][-1]
-    r = launch(4)[case_key(case)]
+    r = launched(4)[case_key(case)]
     assert "error" not in r, r.get("error")
     plan = _plan(case, 4)
     assert plan.peak_memory_bytes_per_device <= LONG_SEQ_BUDGET
