@@ -46,7 +46,7 @@ class JobState:
     paused_until: float = 0.0
     start_s: float | None = None
     finish_s: float | None = None
-    last_scheduled_s: float = 0.0
+    last_scheduled_s: float = 0.0  # the last time it held GPUs (end of its last running interval)
     restarts: int = 0
 
     @property
@@ -166,8 +166,6 @@ def simulate(jobs: Sequence[Job], policy: Policy, model: JobModel, total_gpus: i
         _apply(decisions, active, cluster, model, now)
         rounds += 1
         running = [st for st in active.values() if st.alloc is not None]
-        for st in running:
-            st.last_scheduled_s = now
         timeline.append((now, sum(st.alloc.gpus for st in running), len(running), len(active) - len(running)))
         rates = {st.job.job_id: model.goodput(st.job, st.alloc.gpus, st.alloc.batch, st.spans_nodes) for st in running}
         t_next = pending[i].arrival_s if i < len(pending) else math.inf
@@ -182,6 +180,7 @@ def simulate(jobs: Sequence[Job], policy: Policy, model: JobModel, total_gpus: i
             if st.alloc is None:
                 continue
             st.attained_gpu_s += st.alloc.gpus * (t_next - now)
+            st.last_scheduled_s = t_next
             run_s = max(0.0, t_next - max(now, st.paused_until))
             busy_gpu_s += st.alloc.gpus * run_s
             jid = st.job.job_id
