@@ -10,6 +10,7 @@ import pytest
 from autopar.scheduler import Allocation, SchedulerError, make_policy, simulate
 from autopar.scheduler.cluster import Cluster
 from autopar.scheduler.efficiency import EfficiencyError, NoiseScaleEfficiency
+from autopar.scheduler.jobs import JobError, JobModel
 from autopar.scheduler.optimus import Optimus, fit_speed_model
 from autopar.scheduler.registry import PolicyError
 from autopar.scheduler.simulator import JobState, View
@@ -248,3 +249,20 @@ def test_tiresias_promotes_a_starving_job():
     runs = [now for now, active, running in guarded.rounds if 0 in running]
     first_back = back["guarded"]
     assert all(t in runs for t in [now for now, _, _ in guarded.rounds if first_back <= now < first_back + 840.0])
+
+
+def test_launch_stop_and_exit_costs_are_charged_where_the_controller_pays_them():
+    """The real run's costs in the job model: a 4-GPU 10-hour job and a 10-minute one arriving at
+    2 h (Tiresias preempts the long one). Launch: 3 s + 1 s per rank starting in the round; a
+    stop (checkpoint, exit) takes 5 s and the round's launches wait for it; a job is gone 2 s after
+    its last step."""
+    m = job_model(restart_s=3.0)
+    m.launch_s_per_rank, m.stop_s, m.exit_s = 1.0, 5.0, 2.0
+    jobs = [job(0, 0.0, 36000.0, gpus=4), job(1, 7200.0, 600.0, gpus=4)]
+    r = simulate(jobs, make_policy("tiresias"), m, 4, devices_per_node=4)
+    assert r.jct_s[1] == pytest.approx(5.0 + (3.0 + 4.0) + 600.0 + 2.0)
+    move = 2 * 12e6 / 4 / 1e9  # the checkpoint over the host link, out and back
+    done_first = 7200.0 - 7.0
+    assert r.jct_s[0] == pytest.approx(7814.0 + 7.0 + move + 36000.0 - done_first + 2.0)
+    with pytest.raises(JobError, match="stop_s"):
+        JobModel(m.table, stop_s=-1.0)

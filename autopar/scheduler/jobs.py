@@ -63,12 +63,36 @@ class Job:
 
 @dataclass
 class JobModel:
-    """Goodput and migration cost of jobs on the table's hardware (memoized per configuration)."""
+    """Goodput and migration cost of jobs on the table's hardware (memoized per configuration).
+
+    Start-up and hand-over costs (seconds; the real run measures them, ``bench/schedule_real.py``):
+    ``restart_overhead_s`` from launching a job to its first step; ``launch_s_per_rank`` more for
+    every rank that starts in the same round (on CPU "GPU slots" the ranks' start-up -- import,
+    trace, plan -- shares the cores; 0 on a GPU cluster whose hosts start ranks in parallel);
+    ``stop_s`` from telling a running job to stop to its processes being gone (the next step
+    boundary, the checkpoint save, the exit): jobs launched in a round that stops a job wait for
+    it, as the controller does; ``exit_s`` from a job's last step to its processes being gone
+    (it counts in the JCT and the GPUs are free only then).
+    """
 
     table: ThroughputTable
     efficiency: NoiseScaleEfficiency = field(default_factory=NoiseScaleEfficiency)
     restart_overhead_s: float = 20.0
+    launch_s_per_rank: float = 0.0
+    stop_s: float = 0.0
+    exit_s: float = 0.0
     _memo: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("restart_overhead_s", "launch_s_per_rank", "stop_s", "exit_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise JobError(f"JobModel.{name} must be a finite number of seconds >= 0, got {value!r}; "
+                               f"measure it with bench/schedule_real.py or leave the default")
+
+    def launch_seconds(self, ranks_starting: int = 0) -> float:
+        """Launch to first step when ``ranks_starting`` ranks (all jobs) start in the same round."""
+        return self.restart_overhead_s + self.launch_s_per_rank * ranks_starting
 
     def spans(self, gpus: int) -> bool:
         return gpus > self.table.devices_per_node
@@ -89,8 +113,8 @@ class JobModel:
         g = self.goodput(job, gpus, batch)
         return remaining_work / g if g > 0 else math.inf
 
-    def migration_seconds(self, job: Job, gpus: int) -> float:
+    def migration_seconds(self, job: Job, gpus: int, ranks_starting: int = 0) -> float:
         """Save the sharded state, restart at the new size, load it: each rank moves its
-        1/gpus share of the checkpoint over its host link twice, plus the restart overhead."""
+        1/gpus share of the checkpoint over its host link twice, plus the launch."""
         state = self.table.model(job.model).checkpoint_bytes
-        return self.restart_overhead_s + 2 * state / max(gpus, 1) / self.table.host_link_bytes_per_s
+        return self.launch_seconds(ranks_starting) + 2 * state / max(gpus, 1) / self.table.host_link_bytes_per_s
