@@ -38,12 +38,14 @@ class RealJob:
 class RealRun:
     jct_s: dict[int, float] = field(default_factory=dict)
     launches: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # (time, world size)
+    stops: dict[int, list[float]] = field(default_factory=dict)  # seconds from a stop to the job gone
+    workers: dict[int, list[dict]] = field(default_factory=dict)  # the worker's launches.jsonl records
     steps: dict[int, list[dict]] = field(default_factory=dict)
     wall_s: float = 0.0
 
 
-def read_steps(job_dir: Path) -> list[dict]:
-    path = job_dir / "steps.jsonl"
+def read_steps(job_dir: Path, name: str = "steps.jsonl") -> list[dict]:
+    path = job_dir / name
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -90,6 +92,7 @@ def run_real(specs: Sequence[RealJob], policy: Policy, model: JobModel, slots: i
                 if procs[jid].poll() is not None:
                     _wait(procs.pop(jid), dirs[jid])
                     out.jct_s[jid] = now - by_id[jid].job.arrival_s
+                    out.finished_wall[jid] = time.time()
                     active.pop(jid)
                     event = True
                     if progress:
@@ -110,32 +113,39 @@ def run_real(specs: Sequence[RealJob], policy: Policy, model: JobModel, slots: i
             proc.kill()
     out.wall_s = time.monotonic() - t0
     out.steps = {jid: read_steps(d) for jid, d in dirs.items()}
+    out.workers = {jid: read_steps(d, "launches.jsonl") for jid, d in dirs.items()}
     return out
 
 
 def _apply(decisions: dict[int, Allocation], active, procs, by_id, dirs, out: RealRun, t0: float,
            progress: bool) -> list[int]:
-    """Carry out the decisions; returns the jobs that turned out finished when stopped."""
+    """Carry out the decisions as the simulator models them: stop every job whose allocation
+    changes (all at once; each checkpoints at its next step boundary), wait for them, then launch
+    the round's jobs together. Returns the jobs that turned out finished when stopped."""
     finished = []
-    for jid, st in active.items():
-        new = decisions.get(jid)
-        if new == st.alloc:
+    changed = [jid for jid, st in active.items() if decisions.get(jid) != st.alloc]
+    stopping = [jid for jid in changed if jid in procs]
+    t_stop = time.monotonic()
+    for jid in stopping:
+        (dirs[jid] / "stop").touch()
+    for jid in stopping:
+        _wait(procs.pop(jid), dirs[jid])
+        (dirs[jid] / "stop").unlink()
+        out.stops.setdefault(jid, []).append(time.monotonic() - t_stop)
+    for jid in changed:
+        st, new = active[jid], decisions.get(jid)
+        st.done_work = len(read_steps(dirs[jid])) * st.job.base_batch
+        if st.done_work >= by_id[jid].steps * st.job.base_batch:
+            finished.append(jid)  # it finished while being stopped
             continue
-        if jid in procs:  # stop at the next step boundary; the worker checkpoints
-            (dirs[jid] / "stop").touch()
-            _wait(procs.pop(jid), dirs[jid])
-            (dirs[jid] / "stop").unlink()
-            st.done_work = len(read_steps(dirs[jid])) * st.job.base_batch
-            if st.done_work >= by_id[jid].steps * st.job.base_batch:
-                finished.append(jid)  # it finished while being stopped
-                continue
         st.alloc = new
-        if new is not None:
-            if new.batch != st.job.base_batch:
-                raise SchedulerError(f"the real run keeps each job's batch; policy gave job {jid} batch {new.batch}")
-            procs[jid] = _launch(by_id[jid], new.gpus, dirs[jid])
-            now = time.monotonic() - t0
-            out.launches.setdefault(jid, []).append((now, new.gpus))
-            if progress:
-                print(f"[real] t={now:6.1f} s job {jid} -> {new.gpus} slots", file=sys.stderr, flush=True)
+        if new is None:
+            continue
+        if new.batch != st.job.base_batch:
+            raise SchedulerError(f"the real run keeps each job's batch; policy gave job {jid} batch {new.batch}")
+        procs[jid] = _launch(by_id[jid], new.gpus, dirs[jid])
+        now = time.monotonic() - t0
+        out.launches.setdefault(jid, []).append((now, new.gpus))
+        if progress:
+            print(f"[real] t={now:6.1f} s job {jid} -> {new.gpus} slots", file=sys.stderr, flush=True)
     return finished
