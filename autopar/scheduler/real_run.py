@@ -2,11 +2,14 @@
 
 Each job is :mod:`elastic_worker` (the tiny GPT, data parallel, fixed global batch). The
 controller keeps the simulator's view of every job (``JobState``: steps done become work done),
-asks the policy at arrivals, completions and every ``interval_s``, and carries out its decisions
-for real: a job whose GPU count changes is told to stop (it checkpoints at the next step
-boundary) and relaunched with the new ``--nproc_per_node``, resuming from the checkpoint. The
+polls every ``poll_s``, asks the policy at arrivals, completions and every ``interval_s``, and
+carries out its decisions for real the way the simulator models them: every job whose GPU count
+changes is told to stop (all at once; each saves an ``autopar.checkpoint`` at its next step
+boundary and exits), the controller waits for them, then launches the round's jobs together
+with their new ``--nproc_per_node``, each resuming from its checkpoint (reshard on load). The
 same jobs are then simulated with the same policy on a throughput table planned for the CPU
-profile, so the simulator's job model (step times, restart cost) is checked against reality.
+profile and the launch, stop and exit costs measured beforehand (``bench/schedule_real.py``),
+so the simulator's job model is checked against reality.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class RealRun:
     stops: dict[int, list[float]] = field(default_factory=dict)  # seconds from a stop to the job gone
     workers: dict[int, list[dict]] = field(default_factory=dict)  # the worker's launches.jsonl records
     steps: dict[int, list[dict]] = field(default_factory=dict)
+    finished_wall: dict[int, float] = field(default_factory=dict)  # time.time() the controller saw it gone
     wall_s: float = 0.0
 
 
