@@ -264,5 +264,11 @@ def test_launch_stop_and_exit_costs_are_charged_where_the_controller_pays_them()
     move = 2 * 12e6 / 4 / 1e9  # the checkpoint over the host link, out and back
     done_first = 7200.0 - 7.0
     assert r.jct_s[0] == pytest.approx(7814.0 + 7.0 + move + 36000.0 - done_first + 2.0)
+    # a job preempted while still starting up (launch 996 + 4 x 1 s, demoted at 900 s) has nothing to
+    # save: the 1-GPU job that takes its place launches at once (996 + 1 s), no stop wait
+    m.restart_overhead_s = 996.0
+    r = simulate([job(0, 0.0, 36000.0, gpus=4), job(1, 950.0, 600.0, gpus=1)], make_policy("tiresias"), m, 4,
+                 devices_per_node=4)
+    assert r.jct_s[1] == pytest.approx(997.0 + 600.0 + 2.0)
     with pytest.raises(JobError, match="stop_s"):
         JobModel(m.table, stop_s=-1.0)

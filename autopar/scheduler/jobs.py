@@ -71,8 +71,9 @@ class JobModel:
     trace, plan -- shares the cores; 0 on a GPU cluster whose hosts start ranks in parallel);
     ``stop_s`` from telling a running job to stop to its processes being gone (the next step
     boundary, the checkpoint save, the exit): jobs launched in a round that stops a job wait for
-    it, as the controller does; ``exit_s`` from a job's last step to its processes being gone
-    (it counts in the JCT and the GPUs are free only then).
+    it, as the controller does (a job still starting up has nothing to save: it stops at once);
+    ``exit_s`` from a job's last step to its processes being gone (it counts in the JCT and the
+    GPUs are free only then).
     """
 
     table: ThroughputTable

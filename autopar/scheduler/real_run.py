@@ -5,7 +5,8 @@ controller keeps the simulator's view of every job (``JobState``: steps done bec
 polls every ``poll_s``, asks the policy at arrivals, completions and every ``interval_s``, and
 carries out its decisions for real the way the simulator models them: every job whose GPU count
 changes is told to stop (all at once; each saves an ``autopar.checkpoint`` at its next step
-boundary and exits), the controller waits for them, then launches the round's jobs together
+boundary and exits; one still starting up has nothing to save and is terminated), the
+controller waits for them, then launches the round's jobs together
 with their new ``--nproc_per_node``, each resuming from its checkpoint (reshard on load). The
 same jobs are then simulated with the same policy on a throughput table planned for the CPU
 profile and the launch, stop and exit costs measured beforehand (``bench/schedule_real.py``),
@@ -81,6 +82,7 @@ def run_real(specs: Sequence[RealJob], policy: Policy, model: JobModel, slots: i
     pending = sorted(specs, key=lambda s: s.job.arrival_s)
     active: dict[int, JobState] = {}
     procs: dict[int, subprocess.Popen] = {}
+    started: dict[int, int] = {}
     out = RealRun()
     t0 = time.monotonic()
     last_round = -math.inf
@@ -108,7 +110,7 @@ def run_real(specs: Sequence[RealJob], policy: Policy, model: JobModel, slots: i
                 decisions = policy.schedule(View(now, tuple(active.values()), slots, slots, model))
                 if sum(a.gpus for a in decisions.values()) > slots:
                     raise SchedulerError(f"policy {policy.name} asked for more than {slots} slots: {decisions}")
-                for jid in _apply(decisions, active, procs, by_id, dirs, out, t0, progress):
+                for jid in _apply(decisions, active, procs, by_id, dirs, out, t0, progress, started):
                     out.jct_s[jid] = time.monotonic() - t0 - by_id[jid].job.arrival_s
                     active.pop(jid)
             time.sleep(poll_s)
@@ -122,23 +124,35 @@ def run_real(specs: Sequence[RealJob], policy: Policy, model: JobModel, slots: i
 
 
 def _apply(decisions: dict[int, Allocation], active, procs, by_id, dirs, out: RealRun, t0: float,
-           progress: bool) -> list[int]:
+           progress: bool, started: dict[int, int]) -> list[int]:
     """Carry out the decisions as the simulator models them: stop every job whose allocation
-    changes (all at once; each checkpoints at its next step boundary), wait for them, then launch
-    the round's jobs together. Returns the jobs that turned out finished when stopped."""
+    changes (all at once), wait for them, then launch the round's jobs together. A job that has
+    run a step since its launch checkpoints at its next step boundary and exits; one still
+    starting up (no step since its launch: its state is its checkpoint) is terminated at once.
+    ``started`` holds each job's steps done when it was launched. Returns the jobs that turned
+    out finished when stopped."""
     finished = []
     changed = [jid for jid, st in active.items() if decisions.get(jid) != st.alloc]
     stopping = [jid for jid in changed if jid in procs]
     t_stop = time.monotonic()
+    starting = {jid for jid in stopping if len(read_steps(dirs[jid])) == started[jid]}
     for jid in stopping:
-        (dirs[jid] / "stop").touch()
+        if jid in starting:
+            procs[jid].terminate()  # torchrun takes its workers down with it
+        else:
+            (dirs[jid] / "stop").touch()
     for jid in stopping:
-        _wait(procs.pop(jid), dirs[jid])
-        (dirs[jid] / "stop").unlink()
+        if jid in starting and procs[jid].wait(timeout=300.0) != 0:
+            procs.pop(jid)
+            _truncate_steps(dirs[jid], started[jid])  # a step it began as it was told to go is lost
+        else:
+            _wait(procs.pop(jid), dirs[jid])
+        (dirs[jid] / "stop").unlink(missing_ok=True)
         out.stops.setdefault(jid, []).append(time.monotonic() - t_stop)
     for jid in changed:
         st, new = active[jid], decisions.get(jid)
-        st.done_work = len(read_steps(dirs[jid])) * st.job.base_batch
+        started[jid] = len(read_steps(dirs[jid]))
+        st.done_work = started[jid] * st.job.base_batch
         if st.done_work >= by_id[jid].steps * st.job.base_batch:
             finished.append(jid)  # it finished while being stopped
             continue
@@ -153,3 +167,10 @@ def _apply(decisions: dict[int, Allocation], active, procs, by_id, dirs, out: Re
         if progress:
             print(f"[real] t={now:6.1f} s job {jid} -> {new.gpus} slots", file=sys.stderr, flush=True)
     return finished
+
+
+def _truncate_steps(job_dir: Path, keep: int) -> None:
+    lines = [line for line in (job_dir / "steps.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()] \
+        if (job_dir / "steps.jsonl").exists() else []
+    if len(lines) > keep:
+        (job_dir / "steps.jsonl").write_text("".join(line + "\n" for line in lines[:keep]), encoding="utf-8")

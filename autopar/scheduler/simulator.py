@@ -132,7 +132,7 @@ def _apply(decisions, active, cluster: Cluster, model: JobModel, now: float) -> 
             continue
         cluster.release(st.placement)
         st.placement = ()
-        stopped |= st.alloc is not None
+        stopped |= st.alloc is not None and st.paused_until <= now  # one still starting stops at once
         if st.alloc is not None and new is not None or st.alloc is None and new is not None and st.done_work > 0:
             st.restarts += 1
         st.alloc = new
