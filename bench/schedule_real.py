@@ -175,6 +175,7 @@ def main() -> int:
               f"max |loss - alone| {diff:.2e}; JCT real {real.jct_s[jid]:.1f} s, simulated {sim.jct_s[jid]:.1f} s "
               f"({100 * err:+.0f}%; {sim_m.jct_s[jid]:.1f} s with measured step times)")
     result = {"hardware": args.hardware, "costs": costs, "planned_step_s": planned, "jobs": rows,
+              "t0_wall": real.t0_wall, "finished_wall": real.finished_wall,
               "loadavg_before_after": [load_before, load_after], "wall_s": time.perf_counter() - t_start}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1), encoding="utf-8")

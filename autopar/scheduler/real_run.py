@@ -46,6 +46,7 @@ class RealRun:
     workers: dict[int, list[dict]] = field(default_factory=dict)  # the worker's launches.jsonl records
     steps: dict[int, list[dict]] = field(default_factory=dict)
     finished_wall: dict[int, float] = field(default_factory=dict)  # time.time() the controller saw it gone
+    t0_wall: float = 0.0  # time.time() at the run's start (the workers' records are in wall-clock time)
     wall_s: float = 0.0
 
 
@@ -85,6 +86,7 @@ def run_real(specs: Sequence[RealJob], policy: Policy, model: JobModel, slots: i
     started: dict[int, int] = {}
     out = RealRun()
     t0 = time.monotonic()
+    out.t0_wall = time.time()
     last_round = -math.inf
     try:
         while pending or active:
