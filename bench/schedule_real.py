@@ -9,8 +9,9 @@ against the simulator's prediction for the same jobs with costs measured beforeh
 2. Calibration probes (one job, nothing else of ours running), before and independent of the run:
    a launch on 1 rank stopped after 10 steps, a relaunch on ``--slots`` ranks from the checkpoint
    stopped after 10 more, a relaunch on 2 ranks run to the end. They measure, per launch, the
-   seconds from ``Popen`` to the first step (a line through the three, against the ranks
-   starting, gives the restart overhead and its per-rank part: CPU slots share the cores), the
+   seconds from ``Popen`` to the first step (a line through the three, against the processes
+   alive -- the probe's ranks and its launcher -- gives the restart overhead and its part per
+   process: CPU slots share the cores), the
    seconds from a stop to the processes being gone (half a step to reach the step boundary,
    the ``autopar.checkpoint`` save, the exit), and from the last step to the processes gone.
    The controller's poll (``poll_s``) adds half a poll on average to noticing an exit.
@@ -89,12 +90,12 @@ def measure_costs(workdir: Path, batch: int, slots: int, poll_s: float) -> dict:
     d.mkdir()
     probes = [_probe_launch(d, 1, 40, batch, 10), _probe_launch(d, slots, 40, batch, 20),
               _probe_launch(d, 2, 40, batch, None)]
-    ks = [p["ranks"] for p in probes]
+    ks = [p["ranks"] + 1 for p in probes]  # its ranks and its launcher
     ls = [p["launch_s"] for p in probes]
     fit = statistics.linear_regression(ks, ls)
-    per_rank = max(fit.slope, 0.0)
-    base = max(statistics.fmean(ls) - per_rank * statistics.fmean(ks), 0.0)
-    return {"probes": probes, "restart_overhead_s": base, "launch_s_per_rank": per_rank,
+    per_proc = max(fit.slope, 0.0)
+    base = max(statistics.fmean(ls) - per_proc * statistics.fmean(ks), 0.0)
+    return {"probes": probes, "restart_overhead_s": base, "launch_s_per_process": per_proc,
             "stop_s": statistics.fmean(p["stop_s"] for p in probes if "stop_s" in p),
             "exit_s": probes[-1]["exit_s"] + poll_s / 2, "step_s": {p["ranks"]: p["step_s"] for p in probes}}
 
@@ -142,11 +143,12 @@ def main() -> int:
         table = ThroughputTable.from_dict(raw)
         costs = measure_costs(Path(tmp), b, args.slots, args.poll)
         planned = {n: table.model("gpt-tiny").step_seconds(n, b) for n in costs["step_s"]}
-        print(f"measured: launch {costs['restart_overhead_s']:.1f} s + {costs['launch_s_per_rank']:.1f} s per rank "
-              f"starting; stop {costs['stop_s']:.1f} s; exit {costs['exit_s']:.1f} s; step ms (measured/planned) "
+        print(f"measured: launch {costs['restart_overhead_s']:.1f} s + "
+              f"{costs['launch_s_per_process']:.1f} s per process "
+              f"alive; stop {costs['stop_s']:.1f} s; exit {costs['exit_s']:.1f} s; step ms (measured/planned) "
               + ", ".join(f"{n} ranks {costs['step_s'][n] * 1e3:.0f}/{planned[n] * 1e3:.0f}"
                           for n in sorted(planned)), flush=True)
-        kw = {k: costs[k] for k in ("restart_overhead_s", "launch_s_per_rank", "stop_s", "exit_s")}
+        kw = {k: costs[k] for k in ("restart_overhead_s", "launch_s_per_process", "stop_s", "exit_s")}
         model = JobModel(table, **kw)
         jobs = [Job(i, "gpt-tiny", arrivals[i], float(steps[i] * b), requested[i], b, args.slots, b)
                 for i in range(len(steps))]

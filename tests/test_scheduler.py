@@ -253,22 +253,22 @@ def test_tiresias_promotes_a_starving_job():
 
 def test_launch_stop_and_exit_costs_are_charged_where_the_controller_pays_them():
     """The real run's costs in the job model: a 4-GPU 10-hour job and a 10-minute one arriving at
-    2 h (Tiresias preempts the long one). Launch: 3 s + 1 s per rank starting in the round; a
+    2 h (Tiresias preempts the long one). Launch: 3 s + 1 s per process alive (4 ranks + 1 launcher); a
     stop (checkpoint, exit) takes 5 s and the round's launches wait for it; a job is gone 2 s after
     its last step."""
     m = job_model(restart_s=3.0)
-    m.launch_s_per_rank, m.stop_s, m.exit_s = 1.0, 5.0, 2.0
+    m.launch_s_per_process, m.stop_s, m.exit_s = 1.0, 5.0, 2.0
     jobs = [job(0, 0.0, 36000.0, gpus=4), job(1, 7200.0, 600.0, gpus=4)]
     r = simulate(jobs, make_policy("tiresias"), m, 4, devices_per_node=4)
-    assert r.jct_s[1] == pytest.approx(5.0 + (3.0 + 4.0) + 600.0 + 2.0)
+    assert r.jct_s[1] == pytest.approx(5.0 + (3.0 + 5.0) + 600.0 + 2.0)
     move = 2 * 12e6 / 4 / 1e9  # the checkpoint over the host link, out and back
-    done_first = 7200.0 - 7.0
-    assert r.jct_s[0] == pytest.approx(7814.0 + 7.0 + move + 36000.0 - done_first + 2.0)
-    # a job preempted while still starting up (launch 996 + 4 x 1 s, demoted at 900 s) has nothing to
-    # save: the 1-GPU job that takes its place launches at once (996 + 1 s), no stop wait
+    done_first = 7200.0 - 8.0
+    assert r.jct_s[0] == pytest.approx(7815.0 + 8.0 + move + 36000.0 - done_first + 2.0)
+    # a job preempted while still starting up (launch 996 + 5 x 1 s, demoted at 900 s) has nothing to
+    # save: the 1-GPU job that takes its place launches at once (996 + 2 x 1 s), no stop wait
     m.restart_overhead_s = 996.0
     r = simulate([job(0, 0.0, 36000.0, gpus=4), job(1, 950.0, 600.0, gpus=1)], make_policy("tiresias"), m, 4,
                  devices_per_node=4)
-    assert r.jct_s[1] == pytest.approx(997.0 + 600.0 + 2.0)
+    assert r.jct_s[1] == pytest.approx(998.0 + 600.0 + 2.0)
     with pytest.raises(JobError, match="stop_s"):
         JobModel(m.table, stop_s=-1.0)

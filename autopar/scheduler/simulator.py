@@ -140,13 +140,13 @@ def _apply(decisions, active, cluster: Cluster, model: JobModel, now: float) -> 
             changed.append(st)
     # launches of a round start together, after the round's stops (checkpoints) are done
     start = now + (model.stop_s if stopped else 0.0)
-    ranks = sum(st.alloc.gpus for st in changed)
+    procs = sum(st.alloc.gpus + 1 for st in active.values() if st.alloc is not None)  # ranks + launchers
     for st in sorted(changed, key=lambda s: (-s.alloc.gpus, s.job.job_id)):  # big jobs first: fewer spans
         st.placement = cluster.place(st.alloc.gpus)
         first = st.start_s is None
         st.start_s = now if first else st.start_s
-        st.paused_until = start + (model.launch_seconds(ranks) if first else
-                                   model.migration_seconds(st.job, st.alloc.gpus, ranks))
+        st.paused_until = start + (model.launch_seconds(procs) if first else
+                                   model.migration_seconds(st.job, st.alloc.gpus, procs))
 
 
 def simulate(jobs: Sequence[Job], policy: Policy, model: JobModel, total_gpus: int,
