@@ -114,6 +114,7 @@ def run_real(specs: Sequence[RealJob], policy: Policy, model: JobModel, slots: i
                     raise SchedulerError(f"policy {policy.name} asked for more than {slots} slots: {decisions}")
                 for jid in _apply(decisions, active, procs, by_id, dirs, out, t0, progress, started):
                     out.jct_s[jid] = time.monotonic() - t0 - by_id[jid].job.arrival_s
+                    out.finished_wall[jid] = time.time()
                     active.pop(jid)
             time.sleep(poll_s)
     finally:
