@@ -1,14 +1,24 @@
-"""The scheduler driving real autopar jobs: tiny-GPT jobs as torchrun processes on CPU slots.
+"""The scheduler driving real autopar jobs: tiny-GPT jobs as torchrun processes on CPU slots,
+against the simulator's prediction for the same jobs with costs measured beforehand.
 
     OMP_NUM_THREADS=1 python bench/schedule_real.py [--slots 4] [--steps 120,80,60] [--arrivals 0,0,20]
+                                                     [--hardware calibrate|PROFILE.json|cpu]
 
-1. Plans the tiny GPT at 1, 2 and 4 ranks on the CPU profile (``--hardware``, default the
-   built-in ``cpu``; pass ``autopar calibrate``'s JSON for the calibrated one): the job model's table.
-2. Measures the restart overhead: one launch of a job on all slots, from process start to its
-   first step (CPU slots share the cores, so a launch costs more when several ranks start at once).
+1. The CPU profile: ``autopar calibrate --quick`` on ``--slots`` ranks (or ``--hardware PATH``),
+   and the tiny GPT planned at 1, 2 and 4 ranks on it: the job model's step times.
+2. Calibration probes (one job, nothing else of ours running), before and independent of the run:
+   a launch on 1 rank stopped after 10 steps, a relaunch on ``--slots`` ranks from the checkpoint
+   stopped after 10 more, a relaunch on 2 ranks run to the end. They measure, per launch, the
+   seconds from ``Popen`` to the first step (a line through the three, against the processes
+   alive -- the probe's ranks and its launcher -- gives the restart overhead and its part per
+   process: CPU slots share the cores), the
+   seconds from a stop to the processes being gone (half a step to reach the step boundary,
+   the ``autopar.checkpoint`` save, the exit), and from the last step to the processes gone.
+   The controller's poll (``poll_s``) adds half a poll on average to noticing an exit.
 3. Runs the jobs for real under Optimus (GPU counts change, each job's global batch does not),
-   resizing through the checkpoint path of ``autopar.scheduler.job_checkpoint``.
-4. Simulates the same jobs with the same policy on the table and the measured overhead.
+   resizing through ``autopar.scheduler.job_checkpoint`` (DCP save, reshard on load).
+4. Simulates the same jobs with the same policy on the planned table and the measured costs
+   (and, for diagnosis, on the probes' measured step times instead of the planned ones).
 5. Checks every job's loss trajectory against the same job trained alone in one process, and
    prints real vs simulated JCT per job. Results: ``bench/results/schedule_real.json``.
 """
@@ -18,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +45,8 @@ from autopar.scheduler.real_run import RealJob, read_steps, run_real
 from autopar.scheduler.simulator import simulate
 from autopar.scheduler.throughput import ThroughputTable
 
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
 
 def alone_losses(seed: int, steps: int, batch: int, lr: float = 1e-3) -> list[float]:
     """The job trained in this process, unparallelized: the reference trajectory."""
@@ -49,21 +62,61 @@ def alone_losses(seed: int, steps: int, batch: int, lr: float = 1e-3) -> list[fl
     return out
 
 
-def measure_restart(workdir: Path, batch: int, ranks: int) -> tuple[float, float]:
-    """Seconds from launching a job on ``ranks`` processes to its first step, and its median step
-    seconds after that. CPU slots share the cores, so a launch's cost (every rank imports torch,
-    traces and plans) grows with how many ranks start at once; the probe starts as many as the
-    run has slots, as a round that (re)starts several jobs does."""
-    d = workdir / "restart_probe"
-    d.mkdir()
-    t0 = time.time()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), "-m",
-                    "autopar.scheduler.elastic_worker", "--job-dir", str(d), "--steps", "12", "--batch", str(batch)],
-                   check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    steps = read_steps(d)
-    gaps = sorted(b["t"] - a["t"] for a, b in zip(steps, steps[1:]))
+def _probe_launch(d: Path, ranks: int, steps: int, batch: int, pause_at: int | None) -> dict:
+    """One launch of the worker; the worker's own record plus when it was started and gone."""
+    n_before = len(read_steps(d))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), "-m",
+           "autopar.scheduler.elastic_worker", "--job-dir", str(d), "--steps", str(steps), "--batch", str(batch)]
+    t_popen = time.time()
+    subprocess.run(cmd + (["--pause-at", str(pause_at)] if pause_at else []), check=True, capture_output=True,
+                   env=ENV)
+    t_gone = time.time()
+    rec = read_steps(d, "launches.jsonl")[-1]
+    mine = read_steps(d)[n_before:]
+    gaps = sorted(b["t"] - a["t"] for a, b in zip(mine, mine[1:]))
     step_s = gaps[len(gaps) // 2]
-    return steps[0]["t"] - t0 - step_s, step_s
+    out = {"ranks": ranks, "launch_s": rec["t_ready"] - t_popen, "step_s": step_s, "load_s": rec["load_s"],
+           "save_s": rec["save_s"]}
+    if "t_stop_seen" in rec:
+        out["stop_s"] = step_s / 2 + t_gone - rec["t_stop_seen"]
+    else:
+        out["exit_s"] = t_gone - mine[-1]["t"]
+    return out
+
+
+def measure_costs(workdir: Path, batch: int, slots: int, poll_s: float) -> dict:
+    """The probes of step 2 and the costs fitted to them (least squares: launch = a + b x ranks)."""
+    d = workdir / "probe"
+    d.mkdir()
+    probes = [_probe_launch(d, 1, 40, batch, 10), _probe_launch(d, slots, 40, batch, 20),
+              _probe_launch(d, 2, 40, batch, None)]
+    ks = [p["ranks"] + 1 for p in probes]  # its ranks and its launcher
+    ls = [p["launch_s"] for p in probes]
+    fit = statistics.linear_regression(ks, ls)
+    per_proc = max(fit.slope, 0.0)
+    base = max(statistics.fmean(ls) - per_proc * statistics.fmean(ks), 0.0)
+    return {"probes": probes, "restart_overhead_s": base, "launch_s_per_process": per_proc,
+            "stop_s": statistics.fmean(p["stop_s"] for p in probes if "stop_s" in p),
+            "exit_s": probes[-1]["exit_s"] + poll_s / 2, "step_s": {p["ranks"]: p["step_s"] for p in probes}}
+
+
+def measured_table(planned: ThroughputTable, step_s: dict[int, float], batch: int) -> ThroughputTable:
+    """The planned table with the probes' measured step times at ``batch`` (diagnosis only)."""
+    prof = planned.model("gpt-tiny")
+    pts = [{"n": n, "batch": batch, "spans_nodes": False, "step_seconds": t} for n, t in sorted(step_s.items())]
+    return ThroughputTable.from_dict({"hardware": "measured", "devices_per_node": planned.devices_per_node,
+                                      "host_link_bytes_per_s": planned.host_link_bytes_per_s,
+                                      "models": {"gpt-tiny": {"params": prof.params, "per_gpu_batch": batch,
+                                                              "points": pts}}})
+
+
+def hardware_profile(arg: str, slots: int, tmp: Path) -> str:
+    if arg != "calibrate":
+        return arg
+    out = tmp / "hw.json"
+    subprocess.run([sys.executable, "-m", "autopar", "calibrate", "--quick", "--nproc", str(slots), "--out",
+                    str(out), "--quiet"], check=True, capture_output=True, env=ENV)
+    return str(out)
 
 
 def main() -> int:
@@ -74,7 +127,9 @@ def main() -> int:
     ap.add_argument("--requested", default="2,1,1")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--interval", type=float, default=30.0)
-    ap.add_argument("--hardware", default="cpu")
+    ap.add_argument("--poll", type=float, default=0.2)
+    ap.add_argument("--hardware", default="calibrate", help="'calibrate' (run autopar calibrate --quick), a "
+                    "profile JSON, or a built-in profile name")
     ap.add_argument("--out", default="bench/results/schedule_real.json")
     args = ap.parse_args()
     steps = [int(x) for x in args.steps.split(",")]
@@ -82,37 +137,52 @@ def main() -> int:
     requested = [int(x) for x in args.requested.split(",")]
     b = args.batch
     t_start = time.perf_counter()
-    raw = build_table(["gpt-tiny"], [1, 2, 4], [b // 4, b // 2, b], args.hardware, seq_len=32, progress=False)
-    table = ThroughputTable.from_dict(raw)
     with tempfile.TemporaryDirectory() as tmp:
-        restart_s, step_s = measure_restart(Path(tmp), b, args.slots)
-        print(f"measured: launch to first step {restart_s:.1f} s, step {step_s * 1e3:.1f} ms at {args.slots} ranks; "
-              f"planned step at {args.slots} ranks {table.model('gpt-tiny').step_seconds(args.slots, b) * 1e3:.2f} ms",
-              flush=True)
-        model = JobModel(table, restart_overhead_s=restart_s)
+        hw = hardware_profile(args.hardware, args.slots, Path(tmp))
+        raw = build_table(["gpt-tiny"], [1, 2, 4], [b // 4, b // 2, b], hw, seq_len=32, progress=False)
+        table = ThroughputTable.from_dict(raw)
+        costs = measure_costs(Path(tmp), b, args.slots, args.poll)
+        planned = {n: table.model("gpt-tiny").step_seconds(n, b) for n in costs["step_s"]}
+        print(f"measured: launch {costs['restart_overhead_s']:.1f} s + "
+              f"{costs['launch_s_per_process']:.1f} s per process "
+              f"alive; stop {costs['stop_s']:.1f} s; exit {costs['exit_s']:.1f} s; step ms (measured/planned) "
+              + ", ".join(f"{n} ranks {costs['step_s'][n] * 1e3:.0f}/{planned[n] * 1e3:.0f}"
+                          for n in sorted(planned)), flush=True)
+        kw = {k: costs[k] for k in ("restart_overhead_s", "launch_s_per_process", "stop_s", "exit_s")}
+        model = JobModel(table, **kw)
         jobs = [Job(i, "gpt-tiny", arrivals[i], float(steps[i] * b), requested[i], b, args.slots, b)
                 for i in range(len(steps))]
         specs = [RealJob(j, steps[j.job_id], seed=j.job_id) for j in jobs]
-        real = run_real(specs, Optimus(interval_s=args.interval), model, args.slots, Path(tmp) / "run")
+        load_before = os.getloadavg()[0]
+        real = run_real(specs, Optimus(interval_s=args.interval), model, args.slots, Path(tmp) / "run",
+                        poll_s=args.poll)
+        load_after = os.getloadavg()[0]
     sim = simulate(jobs, Optimus(interval_s=args.interval), model, args.slots, devices_per_node=args.slots)
+    sim_m = simulate(jobs, Optimus(interval_s=args.interval), JobModel(measured_table(table, costs["step_s"], b), **kw),
+                     args.slots, devices_per_node=args.slots)
     rows = []
     for j in jobs:
-        ref = alone_losses(j.job_id, steps[j.job_id], b)
-        got = [s["loss"] for s in real.steps[j.job_id]]
-        worlds = sorted({s["world"] for s in real.steps[j.job_id]})
+        jid = j.job_id
+        ref = alone_losses(jid, steps[jid], b)
+        got = [s["loss"] for s in real.steps[jid]]
+        worlds = [s["world"] for s in real.steps[jid]]
         diff = max(abs(x - y) for x, y in zip(got, ref)) if len(got) == len(ref) else float("inf")
-        rows.append({"job": j.job_id, "steps": len(got), "worlds": worlds, "launches": real.launches[j.job_id],
-                     "max_loss_diff_vs_alone": diff, "real_jct_s": real.jct_s[j.job_id],
-                     "sim_jct_s": sim.jct_s[j.job_id], "ratio": sim.jct_s[j.job_id] / real.jct_s[j.job_id]})
-        print(f"job {j.job_id}: {len(got)} steps on world sizes {worlds}, {len(real.launches[j.job_id])} launches, "
-              f"max |loss - alone| {diff:.2e}; JCT real {real.jct_s[j.job_id]:.1f} s, simulated "
-              f"{sim.jct_s[j.job_id]:.1f} s ({100 * (sim.jct_s[j.job_id] / real.jct_s[j.job_id] - 1):+.0f}%)")
-    result = {"restart_s": restart_s, "step_s_measured": step_s, "hardware": args.hardware, "jobs": rows,
-              "wall_s": time.perf_counter() - t_start}
+        err = sim.jct_s[jid] / real.jct_s[jid] - 1
+        rows.append({"job": jid, "steps": len(got), "world_sizes": sorted(set(worlds)),
+                     "launches": real.launches[jid], "stops_s": real.stops.get(jid, []),
+                     "worker_records": real.workers[jid], "max_loss_diff_vs_alone": diff,
+                     "real_jct_s": real.jct_s[jid], "sim_jct_s": sim.jct_s[jid], "sim_error": err,
+                     "sim_measured_steps_jct_s": sim_m.jct_s[jid]})
+        print(f"job {jid}: {len(got)} steps on world sizes {sorted(set(worlds))}, {len(real.launches[jid])} launches, "
+              f"max |loss - alone| {diff:.2e}; JCT real {real.jct_s[jid]:.1f} s, simulated {sim.jct_s[jid]:.1f} s "
+              f"({100 * err:+.0f}%; {sim_m.jct_s[jid]:.1f} s with measured step times)")
+    result = {"hardware": args.hardware, "costs": costs, "planned_step_s": planned, "jobs": rows,
+              "t0_wall": real.t0_wall, "finished_wall": real.finished_wall,
+              "loadavg_before_after": [load_before, load_after], "wall_s": time.perf_counter() - t_start}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"written {args.out} ({result['wall_s']:.0f} s)")
-    ok = all(r["max_loss_diff_vs_alone"] < 1e-4 and abs(r["ratio"] - 1) <= 0.25 for r in rows)
+    print(f"written {args.out} ({result['wall_s']:.0f} s; load average {load_before:.0f} -> {load_after:.0f})")
+    ok = all(r["max_loss_diff_vs_alone"] < 1e-4 and abs(r["sim_error"]) <= 0.25 for r in rows)
     return 0 if ok else 1
 
 

@@ -10,6 +10,7 @@ import pytest
 from autopar.scheduler import Allocation, SchedulerError, make_policy, simulate
 from autopar.scheduler.cluster import Cluster
 from autopar.scheduler.efficiency import EfficiencyError, NoiseScaleEfficiency
+from autopar.scheduler.jobs import JobError, JobModel
 from autopar.scheduler.optimus import Optimus, fit_speed_model
 from autopar.scheduler.registry import PolicyError
 from autopar.scheduler.simulator import JobState, View
@@ -189,3 +190,85 @@ def test_pollux_picks_the_goodput_maximizing_batch():
     assert small == {0: Allocation(1, 8)}  # efficiency falls as 1/batch: the base batch
     two = Pollux().schedule(_view([st, JobState(job(1, 5, 1000.0, 1))], 3, job_model(fns, noise_scale_ratio=1e9)))
     assert sorted(a.gpus for a in two.values()) == [1, 2]  # both run; the spare GPU doubles one
+
+
+@dataclass
+class _Recording:
+    """Wraps a policy and records, per round, the time and the jobs it gave GPUs."""
+
+    inner: object
+    rounds: list = field(default_factory=list)
+
+    @property
+    def name(self):
+        return self.inner.name
+
+    @property
+    def interval_s(self):
+        return self.inner.interval_s
+
+    def schedule(self, view):
+        out = self.inner.schedule(view)
+        self.rounds.append((view.now, {st.job.job_id for st in view.jobs}, set(out)))
+        return out
+
+
+def _longest_wait(rounds, job_id: int) -> float:
+    """Longest time from a round that left ``job_id`` waiting to the round that gave it GPUs again
+    (or to the last round, if it never got them back)."""
+    longest, since = 0.0, None
+    for now, active, running in rounds:
+        if job_id in active and job_id not in running:
+            since = now if since is None else since
+        elif since is not None:
+            longest, since = max(longest, now - since), None
+    if since is not None:
+        longest = max(longest, rounds[-1][0] - since)
+    return longest
+
+
+def test_tiresias_promotes_a_starving_job():
+    """A 4-GPU cluster: a long 4-GPU job (5,000 s alone) is demoted after 900 s (3,600 GPU-s); from
+    1,000 s a stream of twenty 10-minute 4-GPU jobs keeps queue 0 busy until 13,000 s. Without the
+    guard the long job waits all of it (12,000 s); with a 3,000 s starve limit it is promoted back to
+    queue 0 within one 60 s round of waiting 3,000 s, holds the GPUs until it has 3,600 GPU-s anew
+    (900 s), and so on; the short jobs still all finish."""
+    m = job_model(restart_s=0.0)
+    jobs = [job(0, 0.0, 5000.0, gpus=4)] + [job(k + 1, 1000.0 + 500.0 * k, 600.0, gpus=4) for k in range(20)]
+    plain = _Recording(Tiresias(starve_limit_s=None))
+    starved = simulate(jobs, plain, m, 4, devices_per_node=4)
+    assert _longest_wait(plain.rounds, 0) >= 11_900.0
+    guarded = _Recording(Tiresias(starve_limit_s=3000.0))
+    res = simulate(jobs, guarded, m, 4, devices_per_node=4)
+    assert 3000.0 < _longest_wait(guarded.rounds, 0) <= 3000.0 + 60.0
+    assert sorted(res.jct_s) == list(range(21)) and sorted(starved.jct_s) == list(range(21))
+    back = {name: next(now for now, _, running in rec.rounds if now > 1000.0 and 0 in running)
+            for name, rec in (("plain", plain), ("guarded", guarded))}
+    assert back["plain"] >= 12_900.0 and back["guarded"] <= 1000.0 + 3000.0 + 120.0
+    # once promoted it runs at least until it has earned a demotion again (3,600 GPU-s = 900 s)
+    runs = [now for now, active, running in guarded.rounds if 0 in running]
+    first_back = back["guarded"]
+    assert all(t in runs for t in [now for now, _, _ in guarded.rounds if first_back <= now < first_back + 840.0])
+
+
+def test_launch_stop_and_exit_costs_are_charged_where_the_controller_pays_them():
+    """The real run's costs in the job model: a 4-GPU 10-hour job and a 10-minute one arriving at
+    2 h (Tiresias preempts the long one). Launch: 3 s + 1 s per process alive (4 ranks + 1 launcher); a
+    stop (checkpoint, exit) takes 5 s and the round's launches wait for it; a job is gone 2 s after
+    its last step."""
+    m = job_model(restart_s=3.0)
+    m.launch_s_per_process, m.stop_s, m.exit_s = 1.0, 5.0, 2.0
+    jobs = [job(0, 0.0, 36000.0, gpus=4), job(1, 7200.0, 600.0, gpus=4)]
+    r = simulate(jobs, make_policy("tiresias"), m, 4, devices_per_node=4)
+    assert r.jct_s[1] == pytest.approx(5.0 + (3.0 + 5.0) + 600.0 + 2.0)
+    move = 2 * 12e6 / 4 / 1e9  # the checkpoint over the host link, out and back
+    done_first = 7200.0 - 8.0
+    assert r.jct_s[0] == pytest.approx(7815.0 + 8.0 + move + 36000.0 - done_first + 2.0)
+    # a job preempted while still starting up (launch 996 + 5 x 1 s, demoted at 900 s) has nothing to
+    # save: the 1-GPU job that takes its place launches at once (996 + 2 x 1 s), no stop wait
+    m.restart_overhead_s = 996.0
+    r = simulate([job(0, 0.0, 36000.0, gpus=4), job(1, 950.0, 600.0, gpus=1)], make_policy("tiresias"), m, 4,
+                 devices_per_node=4)
+    assert r.jct_s[1] == pytest.approx(998.0 + 600.0 + 2.0)
+    with pytest.raises(JobError, match="stop_s"):
+        JobModel(m.table, stop_s=-1.0)

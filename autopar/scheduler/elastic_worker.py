@@ -5,9 +5,12 @@
 Trains the zoo's tiny GPT data parallel (``strategy="dp"``) on a global batch ``B`` that is the
 same at every world size, so its loss trajectory is the single-process one whatever the GPU
 count. Step ``s`` trains on a batch drawn from ``(seed, s)`` alone. Between steps rank 0 looks
-for ``D/stop`` (or reaches ``--pause-at``) and tells every rank; on a stop the job saves its state (``job_checkpoint``) and
-exits, and a later launch at another world size resumes from it. Rank 0 appends one JSON line
-per step (step, loss, world size, time) to ``D/steps.jsonl``.
+for ``D/stop`` (or reaches ``--pause-at``) and tells every rank; on a stop every rank saves its
+pieces of the state (``job_checkpoint``: ``autopar.checkpoint``, DCP) and exits, and a later
+launch at another world size resumes from it (reshard on load). Rank 0 appends one JSON line per
+step (step, loss, world size, time) to ``D/steps.jsonl`` and one per launch to
+``D/launches.jsonl``: when the worker's ``main`` started, when its first step started, what the
+load and the save cost, and when it exited (the real run's calibration of the simulator).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch.distributed as dist
 
 from ..models import get_model
 from ..runtime import parallelize
-from .job_checkpoint import load_job_state, save_job_state
+from .job_checkpoint import has_job_state, load_job_state, save_job_state
 
 __all__ = ["make_batch", "main"]
 
@@ -51,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--pause-at", type=int, default=None, help="checkpoint and exit before this step (tests)")
     args = ap.parse_args(argv)
+    t_main = time.time()
     job_dir = Path(args.job_dir)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -58,8 +62,10 @@ def main(argv=None) -> int:
     pm = parallelize(model, example_inputs=make_batch(args.seed, 0, args.batch), strategy="dp", hardware="cpu",
                      mixed_precision=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
-    ckpt = job_dir / "state.safetensors"
-    step = load_job_state(ckpt, pm, opt) if ckpt.exists() else 0
+    ckpt = job_dir / "state"
+    step, load_s, bytes_read = load_job_state(ckpt, pm, opt) if has_job_state(ckpt) else (0, 0.0, 0)
+    record = {"world": world, "t_main": t_main, "load_s": load_s, "bytes_read": bytes_read, "first_step": step,
+              "t_ready": time.time(), "save_s": 0.0}
     flag = torch.zeros(1)
     log = open(job_dir / "steps.jsonl", "a", encoding="utf-8") if rank == 0 else None
     while step < args.steps:
@@ -76,10 +82,15 @@ def main(argv=None) -> int:
             log.write(json.dumps({"step": step, "loss": loss.item(), "world": world, "t": time.time()}) + "\n")
             log.flush()
         step += 1
-    if rank == 0 and step < args.steps:
-        save_job_state(ckpt, pm, opt, step)
+    if step < args.steps:
+        record["t_stop_seen"] = time.time()
+        record["save_s"] = save_job_state(ckpt, pm, opt, step)
     dist.barrier()
     dist.destroy_process_group()
+    if rank == 0:
+        record.update(last_step=step, t_exit=time.time())
+        with open(job_dir / "launches.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
     return 0
 
 

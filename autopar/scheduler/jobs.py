@@ -63,12 +63,38 @@ class Job:
 
 @dataclass
 class JobModel:
-    """Goodput and migration cost of jobs on the table's hardware (memoized per configuration)."""
+    """Goodput and migration cost of jobs on the table's hardware (memoized per configuration).
+
+    Start-up and hand-over costs (seconds; the real run measures them, ``bench/schedule_real.py``):
+    ``restart_overhead_s`` from launching a job to its first step, plus ``launch_s_per_process``
+    for every process of ours alive once the round's launches are done -- each allocated rank and
+    each job's launcher (on CPU "GPU slots" a launch's start-up -- import torch, trace, plan --
+    shares the cores with every rank that starts or trains meanwhile; 0 on a GPU cluster);
+    ``stop_s`` from telling a running job to stop to its processes being gone (the next step
+    boundary, the checkpoint save, the exit): jobs launched in a round that stops a job wait for
+    it, as the controller does (a job still starting up has nothing to save: it stops at once);
+    ``exit_s`` from a job's last step to its processes being gone (it counts in the JCT and the
+    GPUs are free only then).
+    """
 
     table: ThroughputTable
     efficiency: NoiseScaleEfficiency = field(default_factory=NoiseScaleEfficiency)
     restart_overhead_s: float = 20.0
+    launch_s_per_process: float = 0.0
+    stop_s: float = 0.0
+    exit_s: float = 0.0
     _memo: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("restart_overhead_s", "launch_s_per_process", "stop_s", "exit_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise JobError(f"JobModel.{name} must be a finite number of seconds >= 0, got {value!r}; "
+                               f"measure it with bench/schedule_real.py or leave the default")
+
+    def launch_seconds(self, processes: int = 0) -> float:
+        """Launch to first step with ``processes`` of ours alive (ranks of all jobs, launchers)."""
+        return self.restart_overhead_s + self.launch_s_per_process * processes
 
     def spans(self, gpus: int) -> bool:
         return gpus > self.table.devices_per_node
@@ -89,8 +115,8 @@ class JobModel:
         g = self.goodput(job, gpus, batch)
         return remaining_work / g if g > 0 else math.inf
 
-    def migration_seconds(self, job: Job, gpus: int) -> float:
+    def migration_seconds(self, job: Job, gpus: int, processes: int = 0) -> float:
         """Save the sharded state, restart at the new size, load it: each rank moves its
-        1/gpus share of the checkpoint over its host link twice, plus the restart overhead."""
+        1/gpus share of the checkpoint over its host link twice, plus the launch."""
         state = self.table.model(job.model).checkpoint_bytes
-        return self.restart_overhead_s + 2 * state / max(gpus, 1) / self.table.host_link_bytes_per_s
+        return self.launch_seconds(processes) + 2 * state / max(gpus, 1) / self.table.host_link_bytes_per_s

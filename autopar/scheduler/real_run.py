@@ -2,11 +2,15 @@
 
 Each job is :mod:`elastic_worker` (the tiny GPT, data parallel, fixed global batch). The
 controller keeps the simulator's view of every job (``JobState``: steps done become work done),
-asks the policy at arrivals, completions and every ``interval_s``, and carries out its decisions
-for real: a job whose GPU count changes is told to stop (it checkpoints at the next step
-boundary) and relaunched with the new ``--nproc_per_node``, resuming from the checkpoint. The
+polls every ``poll_s``, asks the policy at arrivals, completions and every ``interval_s``, and
+carries out its decisions for real the way the simulator models them: every job whose GPU count
+changes is told to stop (all at once; each saves an ``autopar.checkpoint`` at its next step
+boundary and exits; one still starting up has nothing to save and is terminated), the
+controller waits for them, then launches the round's jobs together
+with their new ``--nproc_per_node``, each resuming from its checkpoint (reshard on load). The
 same jobs are then simulated with the same policy on a throughput table planned for the CPU
-profile, so the simulator's job model (step times, restart cost) is checked against reality.
+profile and the launch, stop and exit costs measured beforehand (``bench/schedule_real.py``),
+so the simulator's job model is checked against reality.
 """
 
 from __future__ import annotations
@@ -38,12 +42,16 @@ class RealJob:
 class RealRun:
     jct_s: dict[int, float] = field(default_factory=dict)
     launches: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # (time, world size)
+    stops: dict[int, list[float]] = field(default_factory=dict)  # seconds from a stop to the job gone
+    workers: dict[int, list[dict]] = field(default_factory=dict)  # the worker's launches.jsonl records
     steps: dict[int, list[dict]] = field(default_factory=dict)
+    finished_wall: dict[int, float] = field(default_factory=dict)  # time.time() the controller saw it gone
+    t0_wall: float = 0.0  # time.time() at the run's start (the workers' records are in wall-clock time)
     wall_s: float = 0.0
 
 
-def read_steps(job_dir: Path) -> list[dict]:
-    path = job_dir / "steps.jsonl"
+def read_steps(job_dir: Path, name: str = "steps.jsonl") -> list[dict]:
+    path = job_dir / name
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -75,8 +83,10 @@ def run_real(specs: Sequence[RealJob], policy: Policy, model: JobModel, slots: i
     pending = sorted(specs, key=lambda s: s.job.arrival_s)
     active: dict[int, JobState] = {}
     procs: dict[int, subprocess.Popen] = {}
+    started: dict[int, int] = {}
     out = RealRun()
     t0 = time.monotonic()
+    out.t0_wall = time.time()
     last_round = -math.inf
     try:
         while pending or active:
@@ -90,6 +100,7 @@ def run_real(specs: Sequence[RealJob], policy: Policy, model: JobModel, slots: i
                 if procs[jid].poll() is not None:
                     _wait(procs.pop(jid), dirs[jid])
                     out.jct_s[jid] = now - by_id[jid].job.arrival_s
+                    out.finished_wall[jid] = time.time()
                     active.pop(jid)
                     event = True
                     if progress:
@@ -101,8 +112,9 @@ def run_real(specs: Sequence[RealJob], policy: Policy, model: JobModel, slots: i
                 decisions = policy.schedule(View(now, tuple(active.values()), slots, slots, model))
                 if sum(a.gpus for a in decisions.values()) > slots:
                     raise SchedulerError(f"policy {policy.name} asked for more than {slots} slots: {decisions}")
-                for jid in _apply(decisions, active, procs, by_id, dirs, out, t0, progress):
+                for jid in _apply(decisions, active, procs, by_id, dirs, out, t0, progress, started):
                     out.jct_s[jid] = time.monotonic() - t0 - by_id[jid].job.arrival_s
+                    out.finished_wall[jid] = time.time()
                     active.pop(jid)
             time.sleep(poll_s)
     finally:
@@ -110,32 +122,58 @@ def run_real(specs: Sequence[RealJob], policy: Policy, model: JobModel, slots: i
             proc.kill()
     out.wall_s = time.monotonic() - t0
     out.steps = {jid: read_steps(d) for jid, d in dirs.items()}
+    out.workers = {jid: read_steps(d, "launches.jsonl") for jid, d in dirs.items()}
     return out
 
 
 def _apply(decisions: dict[int, Allocation], active, procs, by_id, dirs, out: RealRun, t0: float,
-           progress: bool) -> list[int]:
-    """Carry out the decisions; returns the jobs that turned out finished when stopped."""
+           progress: bool, started: dict[int, int]) -> list[int]:
+    """Carry out the decisions as the simulator models them: stop every job whose allocation
+    changes (all at once), wait for them, then launch the round's jobs together. A job that has
+    run a step since its launch checkpoints at its next step boundary and exits; one still
+    starting up (no step since its launch: its state is its checkpoint) is terminated at once.
+    ``started`` holds each job's steps done when it was launched. Returns the jobs that turned
+    out finished when stopped."""
     finished = []
-    for jid, st in active.items():
-        new = decisions.get(jid)
-        if new == st.alloc:
-            continue
-        if jid in procs:  # stop at the next step boundary; the worker checkpoints
+    changed = [jid for jid, st in active.items() if decisions.get(jid) != st.alloc]
+    stopping = [jid for jid in changed if jid in procs]
+    t_stop = time.monotonic()
+    starting = {jid for jid in stopping if len(read_steps(dirs[jid])) == started[jid]}
+    for jid in stopping:
+        if jid in starting:
+            procs[jid].terminate()  # torchrun takes its workers down with it
+        else:
             (dirs[jid] / "stop").touch()
+    for jid in stopping:
+        if jid in starting and procs[jid].wait(timeout=300.0) != 0:
+            procs.pop(jid)
+            _truncate_steps(dirs[jid], started[jid])  # a step it began as it was told to go is lost
+        else:
             _wait(procs.pop(jid), dirs[jid])
-            (dirs[jid] / "stop").unlink()
-            st.done_work = len(read_steps(dirs[jid])) * st.job.base_batch
-            if st.done_work >= by_id[jid].steps * st.job.base_batch:
-                finished.append(jid)  # it finished while being stopped
-                continue
+        (dirs[jid] / "stop").unlink(missing_ok=True)
+        out.stops.setdefault(jid, []).append(time.monotonic() - t_stop)
+    for jid in changed:
+        st, new = active[jid], decisions.get(jid)
+        started[jid] = len(read_steps(dirs[jid]))
+        st.done_work = started[jid] * st.job.base_batch
+        if st.done_work >= by_id[jid].steps * st.job.base_batch:
+            finished.append(jid)  # it finished while being stopped
+            continue
         st.alloc = new
-        if new is not None:
-            if new.batch != st.job.base_batch:
-                raise SchedulerError(f"the real run keeps each job's batch; policy gave job {jid} batch {new.batch}")
-            procs[jid] = _launch(by_id[jid], new.gpus, dirs[jid])
-            now = time.monotonic() - t0
-            out.launches.setdefault(jid, []).append((now, new.gpus))
-            if progress:
-                print(f"[real] t={now:6.1f} s job {jid} -> {new.gpus} slots", file=sys.stderr, flush=True)
+        if new is None:
+            continue
+        if new.batch != st.job.base_batch:
+            raise SchedulerError(f"the real run keeps each job's batch; policy gave job {jid} batch {new.batch}")
+        procs[jid] = _launch(by_id[jid], new.gpus, dirs[jid])
+        now = time.monotonic() - t0
+        out.launches.setdefault(jid, []).append((now, new.gpus))
+        if progress:
+            print(f"[real] t={now:6.1f} s job {jid} -> {new.gpus} slots", file=sys.stderr, flush=True)
     return finished
+
+
+def _truncate_steps(job_dir: Path, keep: int) -> None:
+    lines = [line for line in (job_dir / "steps.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()] \
+        if (job_dir / "steps.jsonl").exists() else []
+    if len(lines) > keep:
+        (job_dir / "steps.jsonl").write_text("".join(line + "\n" for line in lines[:keep]), encoding="utf-8")

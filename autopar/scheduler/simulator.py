@@ -4,8 +4,10 @@ Events are job arrivals, job completions and, for policies with an ``interval_s`
 scheduling rounds. At each event the policy maps the active jobs to :class:`Allocation` s
 (GPUs and global batch; absent means "not running"); the simulator checks them (GPUs in the
 cluster, powers of two, batches that fit), charges a restart or migration to every job whose
-allocation changed (:meth:`JobModel.migration_seconds`: no progress while it reloads), places
-the changed jobs on nodes, and advances every running job at its goodput until the next event.
+allocation changed (:meth:`JobModel.migration_seconds`: no progress while it reloads; the
+launches of a round start together, after the round's stops, ``JobModel.stop_s``), places the
+changed jobs on nodes, and advances every running job at its goodput until the next event. A
+job completes ``JobModel.exit_s`` after its last step (its GPUs are held until then).
 A policy's randomness comes from its own seeded generator, so a run is a function of
 (workload, policy, seed).
 """
@@ -46,7 +48,8 @@ class JobState:
     paused_until: float = 0.0
     start_s: float | None = None
     finish_s: float | None = None
-    last_scheduled_s: float = 0.0
+    work_done_s: float | None = None  # its last step ended (it finishes model.exit_s later)
+    last_scheduled_s: float = 0.0  # the last time it held GPUs (end of its last running interval)
     restarts: int = 0
 
     @property
@@ -122,22 +125,28 @@ def _check(decisions: dict[int, Allocation], active: dict[int, JobState], view: 
 
 def _apply(decisions, active, cluster: Cluster, model: JobModel, now: float) -> None:
     changed = []
+    stopped = False
     for job_id, st in active.items():
         new = decisions.get(job_id)
         if new == st.alloc:
             continue
         cluster.release(st.placement)
         st.placement = ()
+        stopped |= st.alloc is not None and st.paused_until <= now  # one still starting stops at once
         if st.alloc is not None and new is not None or st.alloc is None and new is not None and st.done_work > 0:
             st.restarts += 1
         st.alloc = new
         if new is not None:
             changed.append(st)
+    # launches of a round start together, after the round's stops (checkpoints) are done
+    start = now + (model.stop_s if stopped else 0.0)
+    procs = sum(st.alloc.gpus + 1 for st in active.values() if st.alloc is not None)  # ranks + launchers
     for st in sorted(changed, key=lambda s: (-s.alloc.gpus, s.job.job_id)):  # big jobs first: fewer spans
         st.placement = cluster.place(st.alloc.gpus)
         first = st.start_s is None
         st.start_s = now if first else st.start_s
-        st.paused_until = now + (model.restart_overhead_s if first else model.migration_seconds(st.job, st.alloc.gpus))
+        st.paused_until = start + (model.launch_seconds(procs) if first else
+                                   model.migration_seconds(st.job, st.alloc.gpus, procs))
 
 
 def simulate(jobs: Sequence[Job], policy: Policy, model: JobModel, total_gpus: int,
@@ -166,12 +175,12 @@ def simulate(jobs: Sequence[Job], policy: Policy, model: JobModel, total_gpus: i
         _apply(decisions, active, cluster, model, now)
         rounds += 1
         running = [st for st in active.values() if st.alloc is not None]
-        for st in running:
-            st.last_scheduled_s = now
         timeline.append((now, sum(st.alloc.gpus for st in running), len(running), len(active) - len(running)))
         rates = {st.job.job_id: model.goodput(st.job, st.alloc.gpus, st.alloc.batch, st.spans_nodes) for st in running}
         t_next = pending[i].arrival_s if i < len(pending) else math.inf
-        finish = {jid: max(now, active[jid].paused_until) + active[jid].remaining / g for jid, g in rates.items()}
+        work_end = {jid: max(now, active[jid].work_done_s) if active[jid].work_done_s is not None else
+                    max(now, active[jid].paused_until) + active[jid].remaining / g for jid, g in rates.items()}
+        finish = {jid: t + model.exit_s for jid, t in work_end.items()}
         t_next = min([t_next, *finish.values()])
         if policy.interval_s and active:
             t_next = min(t_next, now + policy.interval_s)
@@ -182,11 +191,14 @@ def simulate(jobs: Sequence[Job], policy: Policy, model: JobModel, total_gpus: i
             if st.alloc is None:
                 continue
             st.attained_gpu_s += st.alloc.gpus * (t_next - now)
+            st.last_scheduled_s = t_next
             run_s = max(0.0, t_next - max(now, st.paused_until))
             busy_gpu_s += st.alloc.gpus * run_s
             jid = st.job.job_id
             if finish[jid] <= t_next * (1 + 1e-12):
                 st.done_work, st.finish_s = st.job.work, finish[jid]
+            elif work_end[jid] <= t_next:  # exiting: the work is done, the GPUs are still held
+                st.done_work, st.work_done_s = st.job.work, work_end[jid]
             else:
                 st.done_work += rates[jid] * run_s
         for jid in [jid for jid, st in active.items() if st.finish_s is not None]:
