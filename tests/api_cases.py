@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_cases import EPS, LR, STEPS, _all_ranks, _shard_mismatches  # noqa: E402
+from dist_cases import EPS, LR, STEPS, all_ranks, shard_mismatches  # noqa: E402
 
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
              vocab_size=128, max_position_embeddings=64, use_cache=False, attn_implementation="sdpa",
@@ -76,14 +76,14 @@ def run_case(name: str, options: dict) -> dict:
     params = {s.tensor for s in shards if s.is_param}
     return dict(
         losses=losses, grads=grads, params=model.full_state_dict(), sent=sent, predicted=dict(model.plan.comm_bytes),
-        shard_mismatches=[m for ms in _all_ranks(_shard_mismatches(model)) for m in ms],
+        shard_mismatches=[m for ms in all_ranks(shard_mismatches(model)) for m in ms],
         cut_params=sum(1 for s in shards if s.is_param and s.split_axes),
-        local_numel=_all_ranks(sum(s.tensor.numel() for s in shards if s.is_param and s.tied_to is None)),
+        local_numel=all_ranks(sum(s.tensor.numel() for s in shards if s.is_param and s.tied_to is None)),
         # the optimizer built before planning steps exactly this rank's shards
         optimizer_holds_shards=len(opt_params) == len(params) and all(any(p is q for q in params) for p in opt_params),
         devices=sorted({p.device.type for p in opt_params}), hardware=model.plan.hardware,
         mixed_precision=model.plan.mixed_precision, mesh=str(model.plan.mesh), output_type=out_type,
-        peak_source_bytes=_all_ranks(model.parallel_module.shard_source_peak_bytes))
+        peak_source_bytes=all_ranks(model.parallel_module.shard_source_peak_bytes))
 
 
 def signature_error() -> str:

@@ -90,7 +90,7 @@ def build(name: str):
 def refused(name: str, family: str) -> str:
     """parallelize with a plan made for another model / world size: the error it raises."""
     import autopar
-    from autopar.runtime import parallelize
+    from autopar.runtime.parallel_module import parallelize
 
     model, inputs = build(name)
     world = torch.distributed.get_world_size()
@@ -109,7 +109,7 @@ def refused(name: str, family: str) -> str:
 def local_outputs(family: str) -> dict:
     """A model that returns its activations: with ``local_outputs=True`` each rank gets its
     piece of what the whole-output call returns, where ``output_slices`` says."""
-    from autopar.runtime import parallelize
+    from autopar.runtime.parallel_module import parallelize
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
@@ -132,7 +132,7 @@ def _expected_piece(shape, dim_axes, coords, sizes) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _shard_mismatches(pm) -> list[str]:
+def shard_mismatches(pm) -> list[str]:
     """Every parameter and buffer whose local tensor is not the piece the plan's layout names."""
     sizes = pm.plan.mesh.sizes
     rank, coords = dist.get_rank(), []
@@ -165,7 +165,7 @@ def _single_flops(name: str) -> int:
     return counter.get_total_flops()
 
 
-def _all_ranks(obj) -> list:
+def all_ranks(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -174,12 +174,17 @@ def _all_ranks(obj) -> list:
 def run_case(name: str, family: str, mesh: str | None, options: dict | None = None):
     import warnings
 
-    from autopar.runtime import count_bytes, parallelize
+    from autopar.runtime import count_bytes
+    from autopar.runtime.parallel_module import parallelize
 
     if family.startswith("refuse"):
         return dict(refused=refused(name, family))
     if name == "local-outputs":
         return local_outputs(family)
+    if name == "two-models":  # tests/state_cases.py
+        from state_cases import two_models
+
+        return two_models(dist.get_rank(), dist.get_world_size())
     model, inputs = build(name)
     options = dict(options or {})
     local_inputs = bool(options.pop("local_inputs", False))
@@ -207,10 +212,10 @@ def run_case(name: str, family: str, mesh: str | None, options: dict | None = No
         spied_per_step.append(spy.sent)
         opt.step()
         opt.zero_grad()
-    mismatched = [m for ms in _all_ranks(_shard_mismatches(pm)) for m in ms]
+    mismatched = [m for ms in all_ranks(shard_mismatches(pm)) for m in ms]
     return dict(losses=losses, grads=grads, params=pm.full_state_dict(), sent=sent_per_step,
-                sent_by_rank=_all_ranks(sent_per_step), spied_by_rank=_all_ranks(spied_per_step),
-                flops_by_rank=_all_ranks(flops.get_total_flops()), single_flops=_single_flops(name),
+                sent_by_rank=all_ranks(sent_per_step), spied_by_rank=all_ranks(spied_per_step),
+                flops_by_rank=all_ranks(flops.get_total_flops()), single_flops=_single_flops(name),
                 shard_mismatches=mismatched, cut_params=sum(1 for s in pm.shards() if s.is_param and s.split_axes),
                 predicted=dict(pm.plan.comm_bytes), mesh=str(pm.plan.mesh), unknown_ops=unknown_ops,
                 strategies={n.name: n.strategy for n in pm.plan.nodes},

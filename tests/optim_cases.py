@@ -79,7 +79,7 @@ def shape_mismatches(pm) -> list[str]:
 
 
 def run_family(family: str, mesh: str | None, options: dict) -> dict:
-    from autopar.runtime import parallelize
+    from autopar.runtime.parallel_module import parallelize
     from autopar.runtime.shard_info import SHARD_ATTR, tag_parameters
 
     model, inputs = build()

@@ -20,14 +20,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# (group, causal, dtype, pass the group by its registered string key)
-CASES = [(g, causal, "float32", False) for g in ("world", "inner", "outer", "single") for causal in (False, True)]
-CASES += [("world", True, "bfloat16", False), ("inner", True, "float32", True)]
+# (group, causal, dtype)
+CASES = [(g, causal, "float32") for g in ("world", "inner", "outer", "single") for causal in (False, True)]
+CASES += [("world", True, "bfloat16")]
 
 
 def case_key(case) -> str:
-    g, causal, dtype, by_key = case
-    return f"{g}{'(key)' if by_key else ''}/{'causal' if causal else 'full'}/{dtype}"
+    g, causal, dtype = case
+    return f"{g}/{'causal' if causal else 'full'}/{dtype}"
 
 
 def _groups():
@@ -47,11 +47,11 @@ def _groups():
     }
 
 
-def run_case(index: int, case, groups: dict, keys: dict) -> dict:
+def run_case(index: int, case, groups: dict) -> dict:
     from autopar.runtime.collectives import count_bytes
     from autopar.runtime.ring_attention import ring_attention, ring_attention_bytes
 
-    name, causal, dtype_name, by_key = case
+    name, causal, dtype_name = case
     g = groups[name]
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(1000 + index)  # the same draw on every rank
@@ -65,7 +65,7 @@ def run_case(index: int, case, groups: dict, keys: dict) -> dict:
 
     q, k, v = (block(t).requires_grad_() for t in (q_full, k_full, v_full))
     with count_bytes() as fwd_sent:
-        out = ring_attention(q, k, v, keys[name] if by_key else g, causal=causal)
+        out = ring_attention(q, k, v, g, causal=causal)
     with count_bytes() as bwd_sent:
         out.backward(block(dout_full))
 
@@ -92,11 +92,8 @@ def main(rank: int, world: int, port: int, out_path: str) -> None:
     # A short timeout: a mismatched send/recv fails the launch instead of hanging it.
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        from autopar.runtime.collectives import register_axes
-
         groups = _groups()
-        keys = dict(zip(["inner"], register_axes([groups["inner"]])))
-        mine = {case_key(c): run_case(i, c, groups, keys) for i, c in enumerate(CASES)}
+        mine = {case_key(c): run_case(i, c, groups) for i, c in enumerate(CASES)}
         per_rank: list = [None] * world
         dist.all_gather_object(per_rank, mine)
         if rank == 0:

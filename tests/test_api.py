@@ -71,7 +71,7 @@ def _assert_equal_runs(r: dict, reference) -> None:
 
 def _assert_sharded(r: dict, full_numel: int, check_bytes: bool = True) -> None:
     # every rank's every parameter has exactly the shape its planned layout names (chunk arithmetic
-    # in dist_cases._shard_mismatches), some are cut, and no rank holds the whole model
+    # in dist_cases.shard_mismatches), some are cut, and no rank holds the whole model
     assert not r["shard_mismatches"], r["shard_mismatches"][:5]
     assert r["cut_params"] > 0
     assert all(n < full_numel for n in r["local_numel"]), (r["local_numel"], full_numel)
@@ -145,9 +145,9 @@ def test_another_batch_shape_is_refused_clearly(api_run):
 
 def test_autopar_parallelize_is_the_runtime_function():
     import autopar
-    import autopar.runtime
+    import autopar.runtime.parallel_module
 
-    assert autopar.parallelize is autopar.runtime.parallelize
+    assert autopar.parallelize is autopar.runtime.parallel_module.parallelize
 
 
 def test_hardware_from_where_it_runs(monkeypatch, tmp_path):
