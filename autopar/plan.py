@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cost_model.evaluate import evaluate
 from .errors import AutoparError, format_bytes
 from .mesh import Link, MeshSpec
 from .pipeline_info import PipelineInfo
@@ -225,8 +226,6 @@ class Plan:
 
     def explain(self, node_name: str, top: int = 3) -> str:
         """Why ``node_name`` got its layout: its cost, and the best alternatives' step times."""
-        from .cost_model.evaluate import evaluate
-
         n = self.node(node_name)
         lines = [f"{n.name} ({n.op}): {n.strategy}"]
         if n.zero_axes:

@@ -27,12 +27,14 @@ from autopar.mesh import MeshSpec
 from autopar.passes.annotate import STRATEGIES_KEY, annotate
 from autopar.passes.lower import DEFERRED_KEY, FSDP_ATTR, lower
 from autopar.plan import Plan
+from autopar.planner import plan as make_plan
 from autopar.strategy import Layout, Strategy
 from autopar.trace import graph_fingerprint, trace
 
 from . import collectives as C
 from .fsdp import fsdp_gather, regather_saved_weights
 from .grad_buckets import GradBuckets
+from .lazy import LazyParallelModule
 from .materialize import ShardSource, adopt, has_meta, local_shard, trace_meta
 from .mixed_precision import policy_for
 from .shard_info import ShardInfo, tag_parameters
@@ -289,11 +291,9 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
     ``weights=PATH`` reads each rank's slices of a safetensors checkpoint; a model on the meta
     device is materialized shard by shard (``runtime/materialize.py``, ``seed``)."""
     if example_inputs is None and example_kwargs is None:
-        from .lazy import LazyParallelModule
-
         return LazyParallelModule(model, n_gpus, dict(plan=plan, device=device, weights=weights, seed=seed,
                                                       hardware=hardware, mixed_precision=mixed_precision,
-                                                      **plan_options))
+                                                      **plan_options), parallelize_with_inputs)
     return parallelize_with_inputs(model, n_gpus, () if example_inputs is None else example_inputs, plan=plan,
                         example_kwargs=example_kwargs, device=device, weights=weights, seed=seed, hardware=hardware,
                         mixed_precision=mixed_precision, **plan_options)
@@ -329,8 +329,6 @@ def parallelize_with_inputs(model: nn.Module, n_gpus: int | None, example_inputs
     if plan is None:
         text = None
         if dist.get_rank() == 0:
-            from autopar.planner import plan as make_plan
-
             try:
                 # auto pipelines only when asked (pipeline=True): a pipelined model is driven by
                 # pm.step(*batch), not by pm(*batch) and loss.backward()
