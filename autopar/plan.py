@@ -95,9 +95,10 @@ class Plan:
     recompute: tuple[str, ...] = ()
     # ZeRO-Offload (cost_model/offload.py): optimizer state per device kept in host memory
     host_bytes: float = 0.0
-    # The priced problem and the choice, kept in memory for explain(); not serialized.
-    _problem: Any = field(default=None, repr=False, compare=False)
-    _choice: Any = field(default=None, repr=False, compare=False)
+    # The priced problem (cost_model.problem.Problem) and the chosen strategy index per
+    # decision, kept in memory for explain() and the report; not serialized (None once read back).
+    problem: Any = field(default=None, repr=False, compare=False)
+    choice: Any = field(default=None, repr=False, compare=False)
 
     @property
     def peak_memory_bytes_per_device(self) -> float:
@@ -233,7 +234,7 @@ class Plan:
                          f"{', '.join(self.mesh.axes[a] for a in n.zero_axes)} (ZeRO-2)")
         if n.shares_with and n.shares_with != n.name:
             lines.append(f"  shares its decision with {n.shares_with} (a repeated block)")
-        problem, choice = self._problem, self._choice
+        problem, choice = self.problem, self.choice
         if problem is None:
             lines.append("  (alternatives need the in-memory plan from autopar.plan, not a JSON file)")
             return "\n".join(lines)
