@@ -11,7 +11,6 @@ through dist_cases' launch (the case name ``two-models``).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 # (model, strategy family, mesh): one ZeRO-3 (its weights gathered through runtime/fsdp.py's
 # state), one data parallel (its gradient all-reduces run from runtime/grad_buckets.py's

@@ -16,7 +16,6 @@ import sys
 import tempfile
 
 import networkx as nx
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYOUT = {"autopar": "autopar", "passes": "autopar/passes", "cost_model": "autopar/cost_model",
