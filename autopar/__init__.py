@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # The runtime (torch.distributed, the lowering) loads on first use: `import autopar` stays light,
-    # and autopar.parallelize is autopar.runtime.parallelize, the same function.
+    # and autopar.parallelize is autopar.runtime.parallel_module.parallelize, the same function.
     if name == "parallelize":
         from .runtime.parallel_module import parallelize
 

@@ -36,6 +36,9 @@ spawned ranks (torchrun users set it themselves).
 Without ``torchrun``, :func:`calibrate` spawns ``nproc`` local ranks (gloo on CPU, NCCL on
 CUDA) with :mod:`torch.multiprocessing`. One rank measures the device only; its links must
 then come from a built-in profile (``links_from``) and the summary says so.
+
+The measuring itself (timing loops, collectives, spawned ranks) is ``autopar/calibrate_measure.py``;
+this module holds the profile's data, the fit, the driver and the summary.
 """
 
 from __future__ import annotations
@@ -43,38 +46,23 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
-import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .calibrate_measure import CalibrationError, measure_device, rank_measure, spawn_ranks
 from .cost_model.comm import collective_s
 from .cost_model.hardware import Hardware, get_hardware
-from .errors import AutoparError
 from .mesh import Link
 
 __all__ = ["Calibration", "CalibrationError", "CollectivePoint", "DeviceMeasurements", "LinkFit",
            "calibrate", "calibration_to_dict", "fit_link", "format_summary"]
 
 DEFAULT_CPU_RANKS = 4
-# Message sizes in bytes per rank (all-reduce: the tensor; all-gather: the gathered output).
-# CPU stops at 8 MiB: above ~16 MiB gloo's all-gather on loopback ran 2-4x slower than its
-# ring formula (4 ranks, 2 cores: 32 MiB took ~2x the all-reduce, where the ring says 1/2),
-# which would drag the fit away from the small messages a CPU-sized plan actually sends.
-_SIZES_CPU = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
-_SIZES_CPU_QUICK = (4 << 10, 256 << 10, 4 << 20)
-_SIZES_CUDA = (64 << 10, 1 << 20, 16 << 20, 128 << 20, 512 << 20)
-_SIZES_CUDA_QUICK = (64 << 10, 4 << 20, 128 << 20)
-
-
-class CalibrationError(AutoparError):
-    """Calibration could not measure or fit something; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -177,214 +165,6 @@ def fit_link(points: list[CollectivePoint] | tuple[CollectivePoint, ...], name: 
     return LinkFit(Link(name, float(1.0 / inv_bw), float(alpha)), points)
 
 
-# ---------------------------------------------------------------------------- measuring
-
-
-def _sync_fn(device: torch.device) -> Callable[[], None]:
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-
-def _seconds_per_call(fn: Callable[[], Any], sync: Callable[[], None], window_s: float, batch: int = 1) -> float:
-    """Run ``fn`` in batches until ``window_s`` has passed; seconds per call (after one warm-up)."""
-    fn()
-    sync()
-    calls, t0 = 0, time.perf_counter()
-    while True:
-        for _ in range(batch):
-            fn()
-        sync()
-        calls += batch
-        elapsed = time.perf_counter() - t0
-        if elapsed >= window_s:
-            return elapsed / calls
-
-
-def _matmul_flops(n: int, dtype: torch.dtype, device: torch.device, sync: Callable[[], None],
-                  window_s: float) -> float:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n**3 / _seconds_per_call(lambda: torch.mm(a, b), sync, window_s)
-
-
-def _stream_rates(nbytes: int, device: torch.device, sync: Callable[[], None],
-                  window_s: float) -> tuple[float, float]:
-    """(copy, add) bytes per second: a copy moves 2 x ``nbytes``, ``c = a + b`` 3 x."""
-    x = torch.ones(nbytes // 4, device=device)
-    y, z = torch.empty_like(x), torch.empty_like(x)
-    copy = 2 * nbytes / _seconds_per_call(lambda: y.copy_(x), sync, window_s)
-    add = 3 * nbytes / _seconds_per_call(lambda: torch.add(x, y, out=z), sync, window_s)
-    return copy, add
-
-
-def _measure_device(device: torch.device, quick: bool, say: Callable[[str], None]) -> dict[str, Any]:
-    """This rank's device rates (see the module docstring for what each is)."""
-    sync = _sync_fn(device)
-    cuda = device.type == "cuda"
-    window = 0.15 if quick else 0.4
-    n = (4096 if quick else 8192) if cuda else (512 if quick else 1024)
-    fp32 = _matmul_flops(n, torch.float32, device, sync, window)
-    say(f"matmul fp32 {n}^3: {fp32 / 1e9:,.1f} GFLOP/s")
-    bf16_native = cuda and torch.cuda.is_bf16_supported()
-    nb = n if bf16_native else min(n, 256)  # CPU bf16 matmul runs ~50x slower: keep it short
-    bf16 = _matmul_flops(nb, torch.bfloat16, device, sync, window)
-    say(f"matmul bf16 {nb}^3: {bf16 / 1e9:,.1f} GFLOP/s")
-    stream_bytes = (256 << 20 if quick else 1 << 30) if cuda else (16 << 20 if quick else 64 << 20)
-    copy, add = _stream_rates(stream_bytes, device, sync, window)
-    say(f"copy {copy / 1e9:,.1f} GB/s, add {add / 1e9:,.1f} GB/s ({stream_bytes >> 20} MiB tensors)")
-    one, out = torch.ones(1, device=device), torch.empty(1, device=device)
-    tiny = _seconds_per_call(lambda: torch.add(one, one, out=out), sync, window, batch=100)
-    say(f"tiny op {tiny * 1e6:.1f} us")
-    if cuda:
-        memory = float(torch.cuda.get_device_properties(device).total_memory)
-    else:
-        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    return dict(device=name, matmul_n=n, matmul_fp32_flops=fp32, matmul_bf16_flops=bf16, bf16_native=bf16_native,
-                stream_bytes=stream_bytes, copy_bytes_per_s=copy, add_bytes_per_s=add, tiny_op_seconds=tiny,
-                memory_bytes=memory)
-
-
-def _time_collective(fn: Callable[[], Any], sync: Callable[[], None], group: Any, device: torch.device,
-                     quick: bool) -> float:
-    """Seconds per call of collective ``fn`` on this rank: median of trials of back-to-back calls.
-
-    Every rank must run the same number of calls, so the repeat count comes from the slowest
-    rank's warm-up time (an all-reduce MAX), not from each rank's own clock.
-    """
-    fn()
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    estimate = torch.tensor([time.perf_counter() - t0], device=device, dtype=torch.float64)
-    dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=group)
-    target_s = 0.04 if quick else 0.12
-    reps = max(2, min(200, round(target_s / max(estimate.item(), 1e-7))))
-    trials = []
-    for _ in range(2 if quick else 3):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        trials.append((time.perf_counter() - t0) / reps)
-    return statistics.median(trials)
-
-
-def _measure_collectives(group: Any, n: int, device: torch.device, quick: bool,
-                         say: Callable[[str], None]) -> list[dict[str, Any]]:
-    """This rank's all-reduce and all-gather times over the message sizes, on ``group`` of ``n`` ranks."""
-    sync = _sync_fn(device)
-    cuda = device.type == "cuda"
-    sizes = (_SIZES_CUDA_QUICK if quick else _SIZES_CUDA) if cuda else (_SIZES_CPU_QUICK if quick else _SIZES_CPU)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    warm = torch.ones(1024, device=device)
-    for _ in range(5):  # first collectives on a group pay for set-up (buffers, connections, NCCL comms)
-        dist.all_reduce(warm, group=group)
-    sync()
-    points = []
-    for size in sizes:
-        elems = max(n, size // 4 // n * n)  # float32, divisible by n for the all-gather
-        full = torch.ones(elems, device=device)
-        shard = torch.ones(elems // n, device=device)
-        out = torch.empty(elems, device=device)
-        for name, fn in (("all_reduce", lambda: dist.all_reduce(full, group=group)),
-                         ("all_gather", lambda: gather(out, shard, group=group))):
-            seconds = _time_collective(fn, sync, group, device, quick)
-            points.append(dict(collective=name, bytes_per_rank=elems * 4, n_ranks=n, seconds=seconds))
-            say(f"{name} {n} ranks {elems * 4 / 2**20:8.3f} MiB: {seconds * 1e3:8.3f} ms")
-    return points
-
-
-def _rank_measure(rank: int, world: int, local_world: int, device: torch.device, quick: bool,
-                  t0: float, progress: bool) -> dict[str, Any] | None:
-    """Every rank's part of a calibration, in an initialised process group; rank 0 gets the result."""
-    def say(message: str) -> None:
-        if rank == 0 and progress:
-            print(f"  [calibrate {time.perf_counter() - t0:5.1f} s] {message}", file=sys.stderr, flush=True)
-
-    say(f"{world} ranks ({dist.get_backend()}), measuring the device on every rank at once")
-    dist.barrier()
-    device_rates = _measure_device(device, quick, say)
-    n_nodes = world // local_world if world > local_world and world % local_world == 0 else 1
-    if n_nodes > 1:
-        local_group, _ = dist.new_subgroups(group_size=local_world)
-        say(f"intra-node link: {n_nodes} groups of {local_world} ranks")
-        intra = _measure_collectives(local_group, local_world, device, quick, say)
-        say(f"inter-node link: all {world} ranks")
-        inter = _measure_collectives(None, world, device, quick, say)
-    else:
-        intra, inter = _measure_collectives(None, world, device, quick, say), None
-    everything: list[Any] = [None] * world
-    dist.all_gather_object(everything, (device_rates, intra, inter))
-    if rank != 0:
-        return None
-    return dict(device=_combine_device(everything), intra=_combine_points([e[1] for e in everything]),
-                inter=None if inter is None else _combine_points([e[2] for e in everything]),
-                n_ranks=world, devices_per_node=local_world, n_nodes=n_nodes)
-
-
-def _combine_device(per_rank: list[Any]) -> dict[str, Any]:
-    first = per_rank[0][0]
-    out = dict(first)
-    for key, value in first.items():
-        if isinstance(value, float):
-            out[key] = statistics.median(r[0][key] for r in per_rank)
-    out["memory_bytes"] = min(r[0]["memory_bytes"] for r in per_rank)
-    return out
-
-
-def _combine_points(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """A collective ends when its slowest rank does: the max over ranks, point by point."""
-    return [dict(p, seconds=max(r[i]["seconds"] for r in per_rank)) for i, p in enumerate(per_rank[0])]
-
-
-def _spawned_rank(rank: int, world: int, init_method: str, backend: str, quick: bool, t0: float,
-                  progress: bool, result_path: str) -> None:
-    torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
-    try:
-        result = _rank_measure(rank, world, world, device, quick, t0, progress)
-        if result is not None:
-            with open(result_path, "w", encoding="utf-8") as fh:
-                json.dump(result, fh)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(nproc: int, backend: str, quick: bool, t0: float, progress: bool) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="autopar-calibrate-") as tmp:
-        result_path = os.path.join(tmp, "measured.json")
-        saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"  # read by each rank's OpenMP at start-up; they share the cores
-        try:
-            mp.spawn(_spawned_rank, args=(nproc, f"tcp://127.0.0.1:{_free_port()}", backend, quick, t0, progress,
-                                            result_path),
-                     nprocs=nproc, join=True)
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-            last = str(exc).strip().splitlines()[-1]
-            raise CalibrationError(f"a calibration rank failed: {last}") from exc
-        finally:
-            if saved is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = saved
-        with open(result_path, encoding="utf-8") as fh:
-            return json.load(fh)
-
-
 # ------------------------------------------------------------------------------ driver
 
 
@@ -417,7 +197,7 @@ def calibrate(out: str | None = None, *, nproc: int | None = None, quick: bool =
         dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
         dist.init_process_group(backend)
         try:
-            measured = _rank_measure(rank, world, local_world, dev, quick, t0, progress)
+            measured = rank_measure(rank, world, local_world, dev, quick, t0, progress)
         finally:
             dist.destroy_process_group()
         if measured is None:
@@ -434,10 +214,10 @@ def calibrate(out: str | None = None, *, nproc: int | None = None, quick: bool =
             dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
             say = (lambda m: print(f"  [calibrate {time.perf_counter() - t0:5.1f} s] {m}", file=sys.stderr,
                                    flush=True)) if progress else (lambda m: None)
-            measured = dict(device=_measure_device(dev, quick, say), intra=None, inter=None, n_ranks=1,
+            measured = dict(device=measure_device(dev, quick, say), intra=None, inter=None, n_ranks=1,
                             devices_per_node=1, n_nodes=1)
         else:
-            measured = _spawn(nproc, backend, quick, t0, progress)
+            measured = spawn_ranks(nproc, backend, quick, t0, progress)
     result = _build(measured, backend, name, links_from, base, time.perf_counter() - t0)
     if out is not None:
         with open(out, "w", encoding="utf-8") as fh:

@@ -17,6 +17,10 @@ from typing import Sequence
 
 from .errors import AutoparError, BadArgumentError
 
+# Each command imports what it needs inside its function (the planner, the model zoo, the
+# scheduler, calibrate): start-up speed, so `autopar --help` or `autopar rules` does not load the
+# planner and the cost model. None of these dodges a cycle (tests/test_layers.py checks).
+
 __all__ = ["main"]
 
 

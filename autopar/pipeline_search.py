@@ -152,14 +152,14 @@ def _price_submesh(pieces, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: T
                            time_limit_s=time_limit_s, model_name="stage") for g in pieces]
     except AutoparError:  # the batch does not divide on this mesh, or the like
         return None
-    first, middle, last = (_split_costs(p._problem, p._choice) for p in plans)
+    first, middle, last = (_split_costs(p.problem, p.choice) for p in plans)
     block = middle.scale(1.0 / (n_blocks - 2))
     send, grad = _boundary_bytes(pieces[0], train)
     nodes = tuple(n for p in plans for n in p.nodes)
     block_rc, transient = None, 0.0
     if train.recompute != "none":  # the same layouts with every middle block recomputed
         rc_problem = build_problem(pieces[1], mesh, hw, dataclasses.replace(train, recompute="full"))
-        rc_choice = {**plans[1]._choice, **{t.key: 1 for t in rc_problem.recompute}}
+        rc_choice = {**plans[1].choice, **{t.key: 1 for t in rc_problem.recompute}}
         transient = recompute_transient_bytes(rc_problem, rc_choice)
         rc_part = _split_costs(rc_problem, rc_choice)
         block_rc = (rc_part - _Part(act_bytes=transient)).scale(1.0 / (n_blocks - 2))

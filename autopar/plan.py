@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cost_model.evaluate import evaluate
 from .errors import AutoparError, format_bytes
 from .mesh import Link, MeshSpec
 from .pipeline_info import PipelineInfo
@@ -94,9 +95,10 @@ class Plan:
     recompute: tuple[str, ...] = ()
     # ZeRO-Offload (cost_model/offload.py): optimizer state per device kept in host memory
     host_bytes: float = 0.0
-    # The priced problem and the choice, kept in memory for explain(); not serialized.
-    _problem: Any = field(default=None, repr=False, compare=False)
-    _choice: Any = field(default=None, repr=False, compare=False)
+    # The priced problem (cost_model.problem.Problem) and the chosen strategy index per
+    # decision, kept in memory for explain() and the report; not serialized (None once read back).
+    problem: Any = field(default=None, repr=False, compare=False)
+    choice: Any = field(default=None, repr=False, compare=False)
 
     @property
     def peak_memory_bytes_per_device(self) -> float:
@@ -225,8 +227,6 @@ class Plan:
 
     def explain(self, node_name: str, top: int = 3) -> str:
         """Why ``node_name`` got its layout: its cost, and the best alternatives' step times."""
-        from .cost_model.evaluate import evaluate
-
         n = self.node(node_name)
         lines = [f"{n.name} ({n.op}): {n.strategy}"]
         if n.zero_axes:
@@ -234,7 +234,7 @@ class Plan:
                          f"{', '.join(self.mesh.axes[a] for a in n.zero_axes)} (ZeRO-2)")
         if n.shares_with and n.shares_with != n.name:
             lines.append(f"  shares its decision with {n.shares_with} (a repeated block)")
-        problem, choice = self._problem, self._choice
+        problem, choice = self.problem, self.choice
         if problem is None:
             lines.append("  (alternatives need the in-memory plan from autopar.plan, not a JSON file)")
             return "\n".join(lines)

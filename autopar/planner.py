@@ -604,5 +604,5 @@ def _to_plan(gm, best: _Solved, hw, train, budget, strategy, baseline_results, n
         solver=SolverStats(r.solver, r.status, r.seconds, r.objective_s, r.lower_bound_s, r.n_variables,
                            r.n_constraints, n_solved, seconds, search_note),
         baselines=tuple(baseline_results), nodes=tuple(nodes), graph_fingerprint=graph_fingerprint(gm),
-        recompute=chosen_recompute(problem, choice), host_bytes=p.host_bytes, _problem=problem, _choice=dict(choice),
+        recompute=chosen_recompute(problem, choice), host_bytes=p.host_bytes, problem=problem, choice=dict(choice),
     )

@@ -65,7 +65,7 @@ def _pipeline_lines(plan: Plan) -> list[str]:
 
 def _parallelism_lines(plan: Plan) -> list[str]:
     """The plan's layout family (1D / 2D / 2.5D / 3D tensor parallel) and sequence parallelism."""
-    if plan._problem is None or plan.pipeline is not None:
+    if plan.problem is None or plan.pipeline is not None:
         return []
     from .tp_families import describe_parallelism
 

@@ -78,6 +78,11 @@ class Layout:
                 _INTERNED[codes] = layout
         return layout
 
+    @staticmethod
+    def interned_by_codes(codes: tuple[int, ...]) -> "Layout | None":
+        """The shared Layout of ``codes`` if one was made already (a lookup, no placements needed)."""
+        return _INTERNED.get(codes)
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and self.codes == other.codes
 

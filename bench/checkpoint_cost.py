@@ -52,7 +52,7 @@ def build(layers: int, embd: int):
 
 def run(rank: int, world: int, port: int, phase: str, family: str, mesh: str, ckpt: str, args) -> None:
     from autopar import checkpoint
-    from autopar.runtime import parallelize
+    from autopar.runtime.parallel_module import parallelize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -113,13 +113,13 @@ _LOSS_OPS = ("cross_entropy_loss", "nll_loss")
 def _loss_edge(p) -> tuple[float, float]:
     """Communication seconds and bytes sent per device on the edges into the loss (the logits
     moved to the layout the loss rule takes), as ``cost_model.evaluate`` prices edges. Reads
-    the plan's priced problem (``plan._problem``): (nan, nan) where that is unavailable."""
+    the plan's priced problem (``plan.problem``): (nan, nan) where that is unavailable."""
     try:
         from autopar.cost_model.comm import bytes_sent_per_rank
         from autopar.cost_model.evaluate import shared_reshards
         from autopar.cost_model.reshard import reshard_steps
 
-        problem, choice = p._problem, p._choice
+        problem, choice = p.problem, p.choice
         shared = shared_reshards(problem, choice)
         seconds = sent = 0.0
         for idx, e in enumerate(problem.edges):

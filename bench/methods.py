@@ -50,7 +50,7 @@ def _mean_over_ranks(loss: torch.Tensor) -> float:
 
 
 def setup_autopar(model: nn.Module, inputs, family: str, hardware: str) -> Runner:
-    from autopar.runtime import parallelize
+    from autopar.runtime.parallel_module import parallelize
 
     pm = parallelize(model, example_inputs=inputs, hardware=hardware, strategy=family, baselines=False,
                      mixed_precision=False)

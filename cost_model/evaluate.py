@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from autopar.strategy import REPLICATE_CODE
+
 from .comm import bytes_sent_per_rank, collective_s
 from .fsdp_pricing import fsdp_fusions
 from .optimizer_norms import norm_allreduce_bytes
@@ -26,7 +28,6 @@ def shared_reshards(problem: Problem, choice: dict[str, int]) -> dict[int, int]:
     already moved the same tensor to the same layout and synchronizes its gradient there, so
     this one uses that value (``passes.lower``: one reshard, one gradient sync). The ILP
     prices each edge on its own (an over-estimate where layouts coincide); this is exact."""
-    from autopar.strategy import REPLICATE_CODE
 
     seen: set[tuple] = set()
     out: dict[int, int] = {}

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from autopar import checkpoint
 from autopar.models import get_model
 from autopar.models.gpt import GPT_CONFIGS
-from autopar.runtime import count_bytes, parallelize
+from autopar.runtime import count_bytes
+from autopar.runtime.parallel_module import parallelize
 
 BATCH, SEQ = 8, 32
 

@@ -59,9 +59,9 @@ def _reads_only_by_ops(gm: fx.GraphModule, root_of: Callable[[fx.Node], str]) ->
 
 
 def defer_param_syncs(gm: fx.GraphModule, graph: fx.Graph, uses: dict[str, list[ParamUse]],
-                      root_of: Callable[[fx.Node], str]) -> dict[str, tuple[str, ...]]:
+                      root_of: Callable[[fx.Node], str]) -> dict[str, tuple[fx.Node, ...]]:
     """Remove the deferrable parameters' ``grad_sync`` chains from ``graph`` (see module doc);
-    returns {parameter target: group keys of its sync axes, in order}."""
+    returns {parameter target: the group nodes (``get_attr``) of its sync axes, in order}."""
     from autopar.runtime import collectives as C
 
     ok = _reads_only_by_ops(gm, root_of)
@@ -69,7 +69,7 @@ def defer_param_syncs(gm: fx.GraphModule, graph: fx.Graph, uses: dict[str, list[
     for n in gm.graph.nodes:
         if n.op == "get_attr" and n.name in uses:
             by_param.setdefault(id(gm.get_parameter(str(n.target))), []).append(n.name)
-    deferred: dict[str, tuple[str, ...]] = {}
+    deferred: dict[str, tuple[fx.Node, ...]] = {}
     for roots in by_param.values():
         all_uses = [u for r in roots for u in uses[r]]
         terminal = [u for u in all_uses if not u.by_follower]

@@ -7,6 +7,9 @@ inserts ``grad_sync`` where a replicated input feeds work sharded on an axis (it
 partial there). Size arguments of view-like ops are divided by the output's shard counts.
 Placeholders (the user's global inputs) are cut to this rank's slice; outputs are made whole.
 Printing the result shows every collective as a call to ``autopar.runtime.collectives``.
+The run-time objects a call needs - an axis's ``AxisGroup``, the model's ZeRO-3 state - are
+attributes of the program's own module (``self.autopar_axis_dp``, ``self.autopar_fsdp``), read
+by ``get_attr``: each parallelized model carries its own, nothing is looked up process-wide.
 """
 
 from __future__ import annotations
@@ -34,6 +37,35 @@ from .rules import get_rule, has_rule, tensor_leaves
 __all__ = ["lower", "DEFERRED_KEY"]
 
 DEFERRED_KEY = "autopar_deferred_grad_syncs"
+FSDP_ATTR = "autopar_fsdp"  # the program's runtime.fsdp.FsdpState
+AXIS_ATTR = "autopar_axis_"  # + axis name: the program's AxisGroup of that mesh axis
+
+
+class _RuntimeRefs:
+    """``refs[axis]``: a ``get_attr`` node reading that axis's AxisGroup from the program's
+    module, made at first use (so it sits just before its first reader); ``refs.fsdp``: the
+    same for the model's FsdpState. The objects are set on ``root`` under those names."""
+
+    def __init__(self, graph: fx.Graph, root: torch.nn.Module, groups: Sequence[C.AxisGroup]):
+        self.graph, self.root = graph, root
+        self.names = [AXIS_ATTR + g.name for g in groups]
+        for name, g in zip(self.names, groups):
+            setattr(root, name, g)
+        if not isinstance(getattr(root, FSDP_ATTR, None), F.FsdpState):  # relowering keeps the model's
+            setattr(root, FSDP_ATTR, F.FsdpState())
+        self.nodes: dict[str, fx.Node] = {}
+
+    def _node(self, name: str) -> fx.Node:
+        if name not in self.nodes:
+            self.nodes[name] = self.graph.get_attr(name)
+        return self.nodes[name]
+
+    def __getitem__(self, axis: int) -> fx.Node:
+        return self._node(self.names[axis])
+
+    @property
+    def fsdp(self) -> fx.Node:
+        return self._node(FSDP_ATTR)
 
 
 def _is_tensor_node(x: Any) -> bool:
@@ -53,12 +85,12 @@ class _Lowering:
         self.step_deferred: set[tuple[str, int]] = set()
         self.defer_param_syncs = defer_param_syncs
         self.gm, self.strategies, self.mesh = gm, strategies, mesh
-        self.groups = C.register_axes(list(groups))  # string keys: printable in the generated code
         self.followers = followers
         self.zero2, self.root = zero2, root
         self.gathered: dict[int, fx.Node] = {}  # ZeRO-2 parameter (by identity) -> its gathered weights
         self.graph = fx.Graph()
         self.graph._codegen = gm.graph._codegen  # the user's call convention (read-only: shared, not copied)
+        self.groups = _RuntimeRefs(self.graph, root, groups)  # get_attr nodes of the model's own groups
         self.env: dict[str, Any] = {}
         self.layouts: dict[str, tuple[Layout, ...]] = {}
         self.needs = _requires_grad(gm)
@@ -74,7 +106,7 @@ class _Lowering:
         for t in transitions(src, dst):
             g = self.groups[t.axis]
             if t.kind == "all_gather" and t.axis == fsdp:  # ZeRO-3: its backward reduce-scatters (defer_sync)
-                value = self.call(F.fsdp_gather, value, t.src % ndim, g)
+                value = self.call(F.fsdp_gather, value, t.src % ndim, g, self.groups.fsdp)
             elif t.kind == "all_gather":
                 value = self.call(C.all_gather, value, t.src % ndim, g)
             elif t.kind == "slice":
@@ -332,7 +364,7 @@ def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, g
     ``local_outputs=True`` one whose outputs stay cut as the plan leaves them.
     ``defer_grad_sync=True`` leaves out the gradient all-reduces that ``runtime.grad_buckets``
     can run bucketed and overlapped (``passes/defer_sync.py``); the program's
-    ``meta[DEFERRED_KEY]`` maps each such parameter's target to its axes' group keys.
+    ``meta[DEFERRED_KEY]`` maps each such parameter's target to its axes' AxisGroups.
     ``defer_param_syncs=True`` (pipelines: one program run per micro-batch) leaves out the
     gradient all-reduces of single-use parameters and lists them in the program's
     ``deferred_param_syncs``; the caller all-reduces those gradients once per step.
@@ -345,7 +377,10 @@ def lower(gm: fx.GraphModule, strategies: dict[str, Strategy], mesh: MeshSpec, g
     graph = lowering.run()
     graph.lint()
     program = fx.GraphModule(root, graph)
-    program.meta[DEFERRED_KEY] = lowering.deferred
+    for name in (*lowering.groups.names, FSDP_ATTR):  # all of them, read by the graph or not: the model's state
+        setattr(program, name, getattr(root, name))
+    program.meta[DEFERRED_KEY] = {t: tuple(getattr(program, str(n.target)) for n in axes)
+                                  for t, axes in lowering.deferred.items()}
     # (parameter target, mesh axis): gradient all-reduces the caller runs once per step
     program.deferred_param_syncs = sorted(lowering.step_deferred)
     return checkpoint_blocks(program, recompute)

@@ -1,15 +1,12 @@
-"""What runs on the ranks: autograd-aware collectives, the parallel module, its state."""
+"""What runs on the ranks: autograd-aware collectives, the parallel module, its state.
+
+The package namespace holds only the byte counter: ``autopar.runtime.parallel_module`` (the
+driver, ``parallelize``) sits above the lowering pass, which itself calls the kernels here
+(``collectives``, ``fsdp``, ...), so importing the driver from this ``__init__`` would make
+``import autopar.passes.lower`` circular. Use ``autopar.parallelize`` (or
+``autopar.runtime.parallel_module``).
+"""
 
 from .collectives import COUNTER, count_bytes
 
-__all__ = ["parallelize", "ParallelModule", "count_bytes", "COUNTER"]
-
-
-def __getattr__(name: str):
-    # parallelize imports the lowering pass, which imports the collectives above: loading it
-    # on first use keeps `import autopar.passes.lower` free of an import cycle.
-    if name in ("parallelize", "ParallelModule"):
-        import importlib
-
-        return getattr(importlib.import_module(f"{__name__}.parallel_module"), name)
-    raise AttributeError(f"module 'autopar.runtime' has no attribute {name!r}")
+__all__ = ["count_bytes", "COUNTER"]

@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from autopar.cost_model.comm import bytes_sent_per_rank
 
-__all__ = ["AxisGroup", "register_axes", "ByteCounter", "COUNTER", "count_bytes", "all_gather", "local_slice", "all_reduce",
+__all__ = ["AxisGroup", "ByteCounter", "COUNTER", "count_bytes", "all_gather", "local_slice", "all_reduce",
            "reduce_scatter", "all_to_all", "to_partial", "grad_sync", "zero2_gather", "grad_scale", "zero2_shard",
-           "zero2_unshard"]
+           "zero2_unshard", "gather_tensor", "sum_tensor"]
 
 
 @dataclass(frozen=True)
@@ -42,24 +42,8 @@ class AxisGroup:
         return f"AxisGroup({self.name!r}, size={self.size}, rank={self.rank})"
 
 
-# Lowered graphs name their axes by string keys (generated code can only hold literals);
-# the keys resolve to this process's groups here.
-_GROUPS: dict[str, AxisGroup] = {}
-
-
-def register_axes(groups: list[AxisGroup]) -> list[str]:
-    """Register the groups of one mesh; returns their keys, e.g. ``mesh0/dp``."""
-    prefix = f"mesh{len({k.split('/')[0] for k in _GROUPS})}"
-    keys = []
-    for g in groups:
-        key = f"{prefix}/{g.name}"
-        _GROUPS[key] = g
-        keys.append(key)
-    return keys
-
-
-def _g(g: AxisGroup | str) -> AxisGroup:
-    return _GROUPS[g] if isinstance(g, str) else g
+# A lowered program reads its AxisGroups from attributes of its own module (``get_attr``,
+# ``passes/lower.py``): each parallelized model holds its own groups, no table is process-wide.
 
 
 class ByteCounter:
@@ -75,6 +59,8 @@ class ByteCounter:
         self.bytes = defaultdict(float)
 
 
+# The one process-wide object here, on purpose: a measuring instrument (like a profiler), not
+# model state. ``count_bytes`` reports what this rank sent inside a block whichever models ran.
 COUNTER = ByteCounter()
 
 
@@ -96,7 +82,8 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _gather(x: torch.Tensor, dim: int, g: AxisGroup) -> torch.Tensor:
+def gather_tensor(x: torch.Tensor, dim: int, g: AxisGroup) -> torch.Tensor:
+    """All-gather ``x`` over the axis, concatenated on ``dim`` (plain: no autograd)."""
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(g.size)]
     dist.all_gather(parts, x, group=g.group)
@@ -109,7 +96,8 @@ def _chunk(x: torch.Tensor, dim: int, g: AxisGroup) -> torch.Tensor:
     return x.chunk(g.size, dim=dim)[g.rank].contiguous()
 
 
-def _all_reduce(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+def sum_tensor(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """The sum of ``x`` over the axis, in a new tensor (plain: no autograd)."""
     out = x.contiguous().clone()
     dist.all_reduce(out, group=g.group)
     COUNTER.add("all_reduce", _nbytes(out), g.size)
@@ -129,7 +117,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, g):
         ctx.dim, ctx.g = dim, g
-        return _gather(x, dim, g)
+        return gather_tensor(x, dim, g)
 
     @staticmethod
     def backward(ctx, grad):
@@ -144,14 +132,14 @@ class _Slice(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.g), None, None
+        return gather_tensor(grad, ctx.dim, ctx.g), None, None
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, average, g):
         ctx.average, ctx.g = average, g
-        out = _all_reduce(x, g)
+        out = sum_tensor(x, g)
         return out / g.size if average else out
 
     @staticmethod
@@ -168,7 +156,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        full = _gather(grad, ctx.dim, ctx.g)
+        full = gather_tensor(grad, ctx.dim, ctx.g)
         return (full / ctx.g.size if ctx.average else full), None, None, None
 
 
@@ -223,36 +211,36 @@ class _GradSync(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.g), None
+        return sum_tensor(grad, ctx.g), None
 
 
-def all_gather(x, dim: int, g: AxisGroup | str):
-    return _AllGather.apply(x, dim, _g(g))
+def all_gather(x, dim: int, g: AxisGroup):
+    return _AllGather.apply(x, dim, g)
 
 
-def local_slice(x, dim: int, g: AxisGroup | str):
-    return _Slice.apply(x, dim, _g(g))
+def local_slice(x, dim: int, g: AxisGroup):
+    return _Slice.apply(x, dim, g)
 
 
-def all_reduce(x, average: bool, g: AxisGroup | str):
-    return _AllReduce.apply(x, average, _g(g))
+def all_reduce(x, average: bool, g: AxisGroup):
+    return _AllReduce.apply(x, average, g)
 
 
-def reduce_scatter(x, dim: int, average: bool, g: AxisGroup | str):
-    return _ReduceScatter.apply(x, dim, average, _g(g))
+def reduce_scatter(x, dim: int, average: bool, g: AxisGroup):
+    return _ReduceScatter.apply(x, dim, average, g)
 
 
-def all_to_all(x, src_dim: int, dst_dim: int, g: AxisGroup | str):
-    return _AllToAll.apply(x, src_dim, dst_dim, _g(g))
+def all_to_all(x, src_dim: int, dst_dim: int, g: AxisGroup):
+    return _AllToAll.apply(x, src_dim, dst_dim, g)
 
 
-def to_partial(x, average: bool, g: AxisGroup | str):
-    return _ToPartial.apply(x, average, _g(g))
+def to_partial(x, average: bool, g: AxisGroup):
+    return _ToPartial.apply(x, average, g)
 
 
-def grad_sync(x, g: AxisGroup | str):
+def grad_sync(x, g: AxisGroup):
     """Identity forward; all-reduce of the gradient backward (a replicated input of sharded work)."""
-    return _GradSync.apply(x, _g(g))
+    return _GradSync.apply(x, g)
 
 
 # --- ZeRO-2 -----------------------------------------------------------------------------------
@@ -286,7 +274,7 @@ def zero2_unshard(piece: torch.Tensor, shape, groups: "list[AxisGroup]") -> torc
     """Inverse of ``zero2_shard``: all-gather the pieces (innermost axis first), cut the padding."""
     full = piece.contiguous()
     for g in reversed(groups):
-        full = _gather(full, 0, g)
+        full = gather_tensor(full, 0, g)
     return full[: torch.Size(shape).numel()].view(shape)
 
 
@@ -304,10 +292,10 @@ class _Zero2Gather(torch.autograd.Function):
         return flat, None, None
 
 
-def zero2_gather(piece, shape, axes: "list[AxisGroup | str]"):
+def zero2_gather(piece, shape, axes: "list[AxisGroup]"):
     """The weights of a ZeRO-2 parameter from this rank's piece; backward reduce-scatters the
     gradient (summed over the zero axes) onto the piece."""
-    return _Zero2Gather.apply(piece, tuple(shape), [_g(a) for a in axes])
+    return _Zero2Gather.apply(piece, tuple(shape), list(axes))
 
 
 class _GradScale(torch.autograd.Function):

@@ -73,7 +73,7 @@ def shard_views(model: nn.Module) -> list[ShardView]:
     for module in _modules(model):
         if not hasattr(module, "shards"):
             raise TypeError(f"{type(module).__name__} is not a parallelized model: pass the module "
-                            f"autopar.runtime.parallelize returned")
+                            f"autopar.runtime.parallel_module.parallelize returned")
         mesh = module.device_mesh
         for info in module.shards():
             if info.tied_to is not None:

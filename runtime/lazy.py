@@ -17,7 +17,7 @@ pipeline options, and call ``pm.step``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -52,7 +52,7 @@ class LazyParallelModule(nn.Module):
     Parameter objects hold this rank's shards. Attributes of the built ``ParallelModule``
     (``plan``, ``shards()``, ``full_state_dict()``, ...) are reachable once it has run."""
 
-    def __init__(self, model: nn.Module, n_gpus: int | None, options: dict[str, Any]) -> None:
+    def __init__(self, model: nn.Module, n_gpus: int | None, options: dict[str, Any], build: Callable[..., nn.Module]) -> None:
         super().__init__()
         asked = [k for k in _PIPELINE_OPTIONS if options.get(k)]
         if asked:
@@ -63,6 +63,9 @@ class LazyParallelModule(nn.Module):
         self.__dict__["_options"] = options
         self.__dict__["_built"] = None
         self.__dict__["_signature"] = None
+        # parallel_module.parallelize_with_inputs, passed in (this module sits below the driver
+        # that creates it and imports nothing of it)
+        self.__dict__["_builder"] = build
 
     @property
     def parallel_module(self):
@@ -73,10 +76,8 @@ class LazyParallelModule(nn.Module):
         signature = input_signature(args, kwargs)
         built = self.__dict__["_built"]
         if built is None:
-            from .parallel_module import parallelize_with_inputs
-
-            built = parallelize_with_inputs(self.module, self._n_gpus, args, example_kwargs=kwargs,
-                                            in_place=True, **self._options)
+            built = self.__dict__["_builder"](self.module, self._n_gpus, args, example_kwargs=kwargs, in_place=True,
+                                            **self._options)
             self.__dict__["_built"] = built
             self.__dict__["_signature"] = signature
         elif signature != self._signature:

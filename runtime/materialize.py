@@ -34,6 +34,7 @@ from torch import nn
 
 from autopar.errors import AutoparError
 from autopar.strategy import Layout
+from autopar.trace import trace
 
 __all__ = ["WeightsError", "ShardSource", "chunk_slices", "local_shard", "adopt", "has_meta", "trace_meta",
            "init_full", "module_seed"]
@@ -87,8 +88,6 @@ def trace_meta(model: nn.Module, args: Sequence[Any], kwargs: dict | None, devic
     """Trace a model built on the meta device: a copy of it (the user's own Parameters stay
     free of the tracer's references, so they can become shards in place) on meta inputs; then
     the device the graph's factory calls name (``meta``) becomes the device the ranks run on."""
-    from autopar.trace import trace
-
     to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
     shadow = copy.deepcopy(model)
     gm = trace(shadow, tuple(to_meta(a) for a in args), {k: to_meta(v) for k, v in (kwargs or {}).items()})

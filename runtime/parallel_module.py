@@ -25,14 +25,16 @@ from autopar.cost_model.local_hardware import default_mixed_precision, local_har
 from autopar.errors import AutoparError
 from autopar.mesh import MeshSpec
 from autopar.passes.annotate import STRATEGIES_KEY, annotate
-from autopar.passes.lower import DEFERRED_KEY, lower
+from autopar.passes.lower import DEFERRED_KEY, FSDP_ATTR, lower
 from autopar.plan import Plan
+from autopar.planner import plan as make_plan
 from autopar.strategy import Layout, Strategy
 from autopar.trace import graph_fingerprint, trace
 
 from . import collectives as C
 from .fsdp import fsdp_gather, regather_saved_weights
 from .grad_buckets import GradBuckets
+from .lazy import LazyParallelModule
 from .materialize import ShardSource, adopt, has_meta, local_shard, trace_meta
 from .mixed_precision import policy_for
 from .shard_info import ShardInfo, tag_parameters
@@ -122,6 +124,16 @@ class ParallelModule(nn.Module):
         self._params = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
         self._inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._zero2 = _zero2_axes(plan, gm)
+        # Per-model run-time state (nothing of it is process-wide): the axis groups above, the
+        # ZeRO-3 gather state the lowering put on the program, and (set by _build) the buckets
+        # of the gradient all-reduces the lowering left out.
+        self.fsdp_state = getattr(program, FSDP_ATTR)
+        self.grad_buckets: GradBuckets | None = None
+
+    @property
+    def axis_groups(self) -> tuple[C.AxisGroup, ...]:
+        """This model's AxisGroup per mesh axis (its own process groups, this rank's coordinates)."""
+        return tuple(self._groups)
 
     def forward(self, *args, local_inputs: bool = False, local_outputs: bool = False, **kwargs):
         """Run one step's forward. Inputs are global tensors (every rank passes the whole batch),
@@ -136,7 +148,7 @@ class ParallelModule(nn.Module):
             program = self._variants[key]
         if not _has_fsdp_gathers(program):  # no saved-tensor hooks where nothing is re-gathered
             return program(*args, **kwargs)
-        with regather_saved_weights(program):  # ZeRO-3 weights are not kept gathered for backward (runtime/fsdp.py)
+        with regather_saved_weights(self.fsdp_state, program):  # ZeRO-3 weights are not kept gathered for backward (runtime/fsdp.py)
             return program(*args, **kwargs)
 
     def input_slices(self) -> list[tuple[slice, ...] | None]:
@@ -194,7 +206,7 @@ class ParallelModule(nn.Module):
             t = C.zero2_unshard(t, self._storage_shape(node), self._zero2_groups(node))
         for a in reversed(range(len(layout.codes))):  # innermost cut first keeps pieces in order
             if layout.codes[a] >= 0:
-                t = C._gather(t, layout.codes[a], self._groups[a])
+                t = C.gather_tensor(t, layout.codes[a], self._groups[a])
         return t
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -279,11 +291,9 @@ def parallelize(model: nn.Module, n_gpus: int | None = None, example_inputs: Seq
     ``weights=PATH`` reads each rank's slices of a safetensors checkpoint; a model on the meta
     device is materialized shard by shard (``runtime/materialize.py``, ``seed``)."""
     if example_inputs is None and example_kwargs is None:
-        from .lazy import LazyParallelModule
-
         return LazyParallelModule(model, n_gpus, dict(plan=plan, device=device, weights=weights, seed=seed,
                                                       hardware=hardware, mixed_precision=mixed_precision,
-                                                      **plan_options))
+                                                      **plan_options), parallelize_with_inputs)
     return parallelize_with_inputs(model, n_gpus, () if example_inputs is None else example_inputs, plan=plan,
                         example_kwargs=example_kwargs, device=device, weights=weights, seed=seed, hardware=hardware,
                         mixed_precision=mixed_precision, **plan_options)
@@ -319,8 +329,6 @@ def parallelize_with_inputs(model: nn.Module, n_gpus: int | None, example_inputs
     if plan is None:
         text = None
         if dist.get_rank() == 0:
-            from autopar.planner import plan as make_plan
-
             try:
                 # auto pipelines only when asked (pipeline=True): a pipelined model is driven by
                 # pm.step(*batch), not by pm(*batch) and loss.backward()
@@ -363,7 +371,10 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
 
     mesh: MeshSpec = plan.mesh
     mp = policy_for(plan.mixed_precision)
-    dm = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axes)
+    # The model's own process groups: without a backend override DeviceMesh reuses the default
+    # group for an axis spanning the whole world, and two models would share it.
+    dm = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axes,
+                          backend_override={a: dist.get_backend() for a in mesh.axes})
     coords = _coords(dist.get_rank(), mesh.sizes)
     groups = [C.AxisGroup(a, dm.get_group(a), s, c) for a, s, c in zip(mesh.axes, mesh.sizes, coords)]
     full = dict(model.named_parameters(remove_duplicate=False))
@@ -418,9 +429,8 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
     pm = ParallelModule(program, plan, strategies, gm, dm, coords, groups, relower)
     pm.__dict__["shard_source_peak_bytes"] = source.peak_bytes  # bench/load_memory.py reads it
     # Gradient all-reduces the lowering left out run bucketed and overlapped (runtime/grad_buckets.py).
-    pm.__dict__["_grad_buckets"] = GradBuckets([(root.get_parameter(t), tuple(C._g(k) for k in keys))
-                                                for t, keys in program.meta[DEFERRED_KEY].items()],
-                                               reduce_dtype=None if mp is None else mp.reduce_dtype)
+    pm.grad_buckets = GradBuckets([(root.get_parameter(t), axes) for t, axes in program.meta[DEFERRED_KEY].items()],
+                                  reduce_dtype=None if mp is None else mp.reduce_dtype)
     tag_parameters(pm.shards())  # optimizers that need whole-tensor norms read each Parameter's cut
     return pm
 

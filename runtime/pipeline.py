@@ -124,7 +124,7 @@ class PipelineModule(nn.Module):
                 for target, axis in stage.program.deferred_param_syncs:
                     p = stage.program.get_parameter(target)
                     if p.grad is not None:
-                        p.grad.copy_(C._all_reduce(p.grad, stage._groups[axis]))
+                        p.grad.copy_(C.sum_tensor(p.grad, stage._groups[axis]))
 
     def deferred_sync_bytes(self) -> dict[str, float]:
         """Bytes this rank sends for the once-per-step gradient all-reduces (ring formula)."""

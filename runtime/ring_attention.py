@@ -53,7 +53,7 @@ from torch.autograd.function import once_differentiable
 from autopar.cost_model.comm import p2p_s
 from autopar.mesh import Link
 
-from .collectives import COUNTER, AxisGroup, _g
+from .collectives import COUNTER, AxisGroup
 
 __all__ = ["ring_attention", "ring_attention_bytes", "ring_attention_seconds"]
 
@@ -217,7 +217,7 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AxisGroup | str, causal: bool = False,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AxisGroup, causal: bool = False,
                    scale: float | None = None) -> torch.Tensor:
     """This rank's block of ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)``
     over the sequence split on axis group ``g``.
@@ -226,7 +226,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AxisGro
     contiguous sequence block; every rank's blocks have the same shape. ``scale`` defaults to
     ``1 / sqrt(head_dim)``. Differentiable once in q, k and v.
     """
-    g = _g(g)
     if q.dim() != 4 or q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"ring_attention wants q, k, v of one shape [batch, heads, seq_local, head_dim]; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (grouped K/V heads: repeat them first)")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import AxisGroup, _all_reduce, _g
+from .collectives import AxisGroup, sum_tensor
 
 __all__ = ["sharded_layer_norm"]
 
@@ -31,9 +31,9 @@ class _ShardedLayerNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps, g, hidden):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         xf = x.to(acc)
-        mean = _all_reduce(xf.sum(-1, keepdim=True), g) / hidden
+        mean = sum_tensor(xf.sum(-1, keepdim=True), g) / hidden
         xc = xf - mean
-        var = _all_reduce((xc * xc).sum(-1, keepdim=True), g) / hidden
+        var = sum_tensor((xc * xc).sum(-1, keepdim=True), g) / hidden
         rstd = torch.rsqrt(var + eps)
         xhat = xc * rstd
         out = xhat
@@ -54,17 +54,16 @@ class _ShardedLayerNorm(torch.autograd.Function):
         dweight = (gf * xhat).sum(lead).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         dbias = gf.sum(lead).to(ctx.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         dxhat = gf * weight.to(gf.dtype) if weight is not None else gf
-        sums = _all_reduce(torch.cat([dxhat.sum(-1, keepdim=True), (dxhat * xhat).sum(-1, keepdim=True)], -1), ctx.g)
+        sums = sum_tensor(torch.cat([dxhat.sum(-1, keepdim=True), (dxhat * xhat).sum(-1, keepdim=True)], -1), ctx.g)
         mean_g, mean_gx = sums[..., :1] / ctx.hidden, sums[..., 1:] / ctx.hidden
         dx = rstd * (dxhat - mean_g - xhat * mean_gx)
         return dx.to(ctx.dtype), dweight, dbias, None, None, None
 
 
 def sharded_layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                       eps: float, g: AxisGroup | str) -> torch.Tensor:
+                       eps: float, g: AxisGroup) -> torch.Tensor:
     """``layer_norm`` of ``x`` over its last dim, which is split over the axis ``g`` (this rank
     holds a contiguous slice of it, and of ``weight`` and ``bias``)."""
-    g = _g(g)
     if len(normalized_shape) != 1:
         raise ValueError(f"sharded_layer_norm normalizes over one (the last) dim; got normalized_shape "
                          f"{list(normalized_shape)}")

@@ -71,7 +71,7 @@ import torch.distributed as dist
 from autopar.cost_model.comm import broadcast_s
 from autopar.mesh import Link
 
-from .collectives import COUNTER, AxisGroup, _g
+from .collectives import COUNTER, AxisGroup
 
 __all__ = ["summa_matmul", "summa_bytes", "summa_seconds", "summa_peak_extra_bytes"]
 
@@ -186,17 +186,16 @@ class _Summa(torch.autograd.Function):
         return (da.view(a.shape) if need_a else None), db, None, None, None, None
 
 
-def summa_matmul(a: torch.Tensor, b: torch.Tensor, row: AxisGroup | str, col: AxisGroup | str,
+def summa_matmul(a: torch.Tensor, b: torch.Tensor, row: AxisGroup, col: AxisGroup,
                  panel_size: int | None = None) -> torch.Tensor:
     """This rank's block of ``A @ B`` by SUMMA (see the module doc for the layout).
 
     ``a``: ``A_rc``, shape ``(..., K / q_c)`` (leading dims are rows of M); ``b``: ``B_rc``,
     shape ``(K / q_r, N / q_c)``; ``row``/``col``: the axes with coordinates ``r`` and ``c``
-    (groups or registered keys). Returns ``C_rc`` of shape ``(..., N / q_c)``. ``panel_size``
+    (AxisGroups). Returns ``C_rc`` of shape ``(..., N / q_c)``. ``panel_size``
     (default ``K / lcm(q_r, q_c)``) is the K width moved per collective: smaller holds less
     and sends more messages.
     """
-    row, col = _g(row), _g(col)
     if a.dim() < 2 or b.dim() != 2:
         raise ValueError(f"summa_matmul needs a of shape (..., K/q_c) with at least 2 dims and b of shape "
                          f"(K/q_r, N/q_c); got a {tuple(a.shape)}, b {tuple(b.shape)}")

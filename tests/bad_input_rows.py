@@ -9,7 +9,7 @@ stderr, and the model's parameters and buffers bitwise as they were.
 A new row is one line in ``CLI_ROWS`` or ``API_ROWS``. API rows call ``fn(ctx)``; ``ctx.model``
 and ``ctx.inputs`` are a fresh seeded model (the row's ``model``), ``ctx.files`` a folder of bad
 files (``ctx.file(name)``), ``ctx.plan_json(name, n)`` a plan made for a zoo model. Rows with
-``pg=True`` run inside a 1-rank gloo process group (``autopar.runtime.parallelize`` needs one).
+``pg=True`` run inside a 1-rank gloo process group (``autopar.runtime.parallel_module.parallelize`` needs one).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from autopar.models import get_model
 from autopar.plan import PlanFormatError
 from autopar.optim import LAMB, LARS
 from autopar.optim.hyper import OptimizerConfigError
-from autopar.runtime import parallelize
+from autopar.runtime.parallel_module import parallelize
 from autopar.runtime.lazy import InputSignatureError
 from autopar.runtime.materialize import WeightsError
 
@@ -286,7 +286,7 @@ API_ROWS = [
         "binary.json", "the path that", cause=UnicodeDecodeError),
     Api("MeshSpec.parse: malformed", lambda c: autopar.MeshSpec.parse("dp=2;tp=4"), MeshError, "'dp=2;tp=4'",
         "name=size"),
-    # autopar.runtime.parallelize
+    # autopar.runtime.parallel_module.parallelize
     Api("parallelize: no process group", lambda c: parallelize(c.model, example_inputs=c.inputs), AutoparError,
         "torch.distributed", "launch with torchrun", "mlp"),
     Api("parallelize: n_gpus not the world size", lambda c: parallelize(c.model, 2, c.inputs), AutoparError,

@@ -37,7 +37,7 @@ def build():
 
 
 def parallel(family: str, mesh: str | None = None):
-    from autopar.runtime import parallelize
+    from autopar.runtime.parallel_module import parallelize
     from autopar.runtime.pipeline import parallelize_pipeline
 
     model, inputs = build()
@@ -164,7 +164,7 @@ def bad_checkpoints(ckpt: str) -> dict:
     good = os.path.join(ckpt, "mdp")
     mlp = os.path.join(ckpt, "mlp")
     from autopar.models import MLPConfig, mlp as build_mlp
-    from autopar.runtime import parallelize
+    from autopar.runtime.parallel_module import parallelize
 
     torch.manual_seed(0)
     small, small_inputs = build_mlp(MLPConfig(in_features=32, hidden=64, out_features=8, depth=2), batch_size=16)

@@ -105,7 +105,7 @@ def build(name: str):
 def refused(name: str, family: str) -> str:
     """parallelize with a plan made for another model / world size: the error it raises."""
     import autopar
-    from autopar.runtime import parallelize
+    from autopar.runtime.parallel_module import parallelize
 
     model, inputs = build(name)
     world = torch.distributed.get_world_size()
@@ -124,7 +124,7 @@ def refused(name: str, family: str) -> str:
 def local_outputs(family: str) -> dict:
     """A model that returns its activations: with ``local_outputs=True`` each rank gets its
     piece of what the whole-output call returns, where ``output_slices`` says."""
-    from autopar.runtime import parallelize
+    from autopar.runtime.parallel_module import parallelize
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
@@ -189,7 +189,8 @@ def all_ranks(obj) -> list:
 def run_case(name: str, family: str, mesh: str | None, options: dict | None = None):
     import warnings
 
-    from autopar.runtime import count_bytes, parallelize
+    from autopar.runtime import count_bytes
+    from autopar.runtime.parallel_module import parallelize
 
     if family.startswith("refuse"):
         return dict(refused=refused(name, family))

@@ -50,7 +50,8 @@ def run_case(name: str, options: dict) -> dict:
     from memtrack import LiveBytes
 
     from autopar.passes.recompute_regions import RECOMPUTED_KEY
-    from autopar.runtime import count_bytes, parallelize
+    from autopar.runtime import count_bytes
+    from autopar.runtime.parallel_module import parallelize
 
     model, inputs = build(name)
     pm = parallelize(model, example_inputs=inputs, hardware="a100-80gb", mixed_precision=False, baselines=False,

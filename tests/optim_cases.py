@@ -54,7 +54,7 @@ def train(model_or_pm, inputs, kind: str) -> dict:
 
 
 def run_family(family: str, mesh: str | None, options: dict) -> dict:
-    from autopar.runtime import parallelize
+    from autopar.runtime.parallel_module import parallelize
     from autopar.runtime.shard_info import SHARD_ATTR, tag_parameters
 
     model, inputs = build()

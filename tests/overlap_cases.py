@@ -37,8 +37,8 @@ def accumulate(name: str) -> dict:
     from dist_cases import build
 
     from autopar.passes.lower import DEFERRED_KEY
-    from autopar.runtime import collectives as C
-    from autopar.runtime import count_bytes, parallelize
+    from autopar.runtime import count_bytes
+    from autopar.runtime.parallel_module import parallelize
     from autopar.runtime.grad_buckets import GradBuckets
 
     model, inputs = build(name)
@@ -46,9 +46,9 @@ def accumulate(name: str) -> dict:
                      baselines=False)
     deferred = dict(pm.program.meta[DEFERRED_KEY])
     # Small buckets, so that some launch while backward still runs.
-    pm.__dict__["_grad_buckets"].remove()
-    buckets = GradBuckets([(pm.program.get_parameter(t), tuple(C._g(k) for k in keys))
-                           for t, keys in deferred.items()], bucket_bytes=64 * 1024, first_bucket_bytes=16 * 1024)
+    pm.grad_buckets.remove()
+    buckets = GradBuckets([(pm.program.get_parameter(t), axes) for t, axes in deferred.items()],
+                          bucket_bytes=64 * 1024, first_bucket_bytes=16 * 1024)
     half = [x.flip(0) for x in inputs]  # a second batch: the same samples in another order per rank
     sent = []
     for batch in (inputs, half):
@@ -66,7 +66,8 @@ def zero3_memory() -> dict:
     and kept for backward (the bare lowered program), same numerics."""
     from bench.memtrack import LiveBytes
 
-    from autopar.runtime import count_bytes, parallelize
+    from autopar.runtime import count_bytes
+    from autopar.runtime.parallel_module import parallelize
 
     model, inputs = wide_mlp()
     pm = parallelize(model, example_inputs=inputs, hardware="a100-80gb", mixed_precision=False,

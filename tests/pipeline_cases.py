@@ -34,7 +34,7 @@ def run_case(pp: int, stage_mesh: str | None, schedule: str, m: int, options: di
     v = int(options.pop("virtual_stages", 1))
     model, inputs = build()
     if options.pop("api", None):  # the user's entry point: parallelize() plans the pipeline itself
-        from autopar.runtime import parallelize
+        from autopar.runtime.parallel_module import parallelize
 
         pm = parallelize(model, example_inputs=inputs, hardware="a100-80gb", mixed_precision=False, **options)
         v = len(pm.stage_ids)  # model chunks on this rank

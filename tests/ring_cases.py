@@ -17,14 +17,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# (group, causal, dtype, pass the group by its registered string key)
-CASES = [(g, causal, "float32", False) for g in ("world", "inner", "outer", "single") for causal in (False, True)]
-CASES += [("world", True, "bfloat16", False), ("inner", True, "float32", True)]
+# (group, causal, dtype)
+CASES = [(g, causal, "float32") for g in ("world", "inner", "outer", "single") for causal in (False, True)]
+CASES += [("world", True, "bfloat16")]
 
 
 def case_key(case) -> str:
-    g, causal, dtype, by_key = case
-    return f"{g}{'(key)' if by_key else ''}/{'causal' if causal else 'full'}/{dtype}"
+    g, causal, dtype = case
+    return f"{g}/{'causal' if causal else 'full'}/{dtype}"
 
 
 def _groups():
@@ -44,11 +44,11 @@ def _groups():
     }
 
 
-def run_case(index: int, case, groups: dict, keys: dict) -> dict:
+def run_case(index: int, case, groups: dict) -> dict:
     from autopar.runtime.collectives import count_bytes
     from autopar.runtime.ring_attention import ring_attention, ring_attention_bytes
 
-    name, causal, dtype_name, by_key = case
+    name, causal, dtype_name = case
     g = groups[name]
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(1000 + index)  # the same draw on every rank
@@ -62,7 +62,7 @@ def run_case(index: int, case, groups: dict, keys: dict) -> dict:
 
     q, k, v = (block(t).requires_grad_() for t in (q_full, k_full, v_full))
     with count_bytes() as fwd_sent:
-        out = ring_attention(q, k, v, keys[name] if by_key else g, causal=causal)
+        out = ring_attention(q, k, v, g, causal=causal)
     with count_bytes() as bwd_sent:
         out.backward(block(dout_full))
 
@@ -85,11 +85,8 @@ def run_case(index: int, case, groups: dict, keys: dict) -> dict:
 
 def all_cases(rank: int, world: int) -> dict:
     """Every case on this rank (run by tests/launcher.py): {case key: [each rank's record]}."""
-    from autopar.runtime.collectives import register_axes
-
     groups = _groups()
-    keys = dict(zip(["inner"], register_axes([groups["inner"]])))
-    mine = {case_key(c): run_case(i, c, groups, keys) for i, c in enumerate(CASES)}
+    mine = {case_key(c): run_case(i, c, groups) for i, c in enumerate(CASES)}
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, mine)
     return {key: [r[key] for r in per_rank] for key in mine}

@@ -125,9 +125,9 @@ def test_another_batch_shape_is_refused_clearly(api_run):
 
 def test_autopar_parallelize_is_the_runtime_function():
     import autopar
-    import autopar.runtime
+    import autopar.runtime.parallel_module
 
-    assert autopar.parallelize is autopar.runtime.parallelize
+    assert autopar.parallelize is autopar.runtime.parallel_module.parallelize
 
 
 def test_hardware_from_where_it_runs(monkeypatch, tmp_path):
@@ -158,14 +158,15 @@ def test_hardware_from_where_it_runs(monkeypatch, tmp_path):
 def test_lazy_module_before_its_first_call():
     import autopar
     from autopar.runtime.lazy import LazyParallelModule
+    from autopar.runtime.parallel_module import parallelize_with_inputs
 
     model = torch.nn.Linear(4, 4)
-    lazy = LazyParallelModule(model, None, {})
+    lazy = LazyParallelModule(model, None, {}, parallelize_with_inputs)
     assert list(lazy.parameters()) == list(model.parameters())  # the user's own, until planned
     with pytest.raises(AttributeError, match="called once"):
         lazy.plan
     with pytest.raises(autopar.AutoparError, match="step"):
-        LazyParallelModule(model, None, {"n_microbatches": 4})
+        LazyParallelModule(model, None, {"n_microbatches": 4}, parallelize_with_inputs)
     with pytest.raises(autopar.AutoparError, match="torchrun"):  # no process group here
         lazy(torch.randn(2, 4))
     assert all(p.shape == (4, 4) or p.shape == (4,) for p in model.parameters())  # nothing changed

@@ -9,7 +9,7 @@ stderr, and the model's parameters and buffers bitwise as they were.
 A new row is one line in ``CLI_ROWS`` or ``API_ROWS`` (tests/bad_input_rows.py). API rows call ``fn(ctx)``; ``ctx.model``
 and ``ctx.inputs`` are a fresh seeded model (the row's ``model``), ``ctx.files`` a folder of bad
 files (``ctx.file(name)``), ``ctx.plan_json(name, n)`` a plan made for a zoo model. Rows with
-``pg=True`` run inside a 1-rank gloo process group (``autopar.runtime.parallelize`` needs one).
+``pg=True`` run inside a 1-rank gloo process group (``autopar.runtime.parallel_module.parallelize`` needs one).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 import autopar
 from autopar.errors import AutoparError
-from autopar.runtime import parallelize
+from autopar.runtime.parallel_module import parallelize
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bad_input_rows import API_ROWS, BAD_FILES, CLI_ROWS, FACTORIES, MODELS, Api, Cli, Ctx  # noqa: E402

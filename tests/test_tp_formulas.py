@@ -98,7 +98,7 @@ EXPECTED = {
 
 def _block_layouts(plan) -> dict[str, tuple]:
     """The layouts of the first block's two layers (every block shares them)."""
-    problem, choice = plan._problem, plan._choice
+    problem, choice = plan.problem, plan.choice
     graph = next(iter(problem.decisions.values())).node.graph
     names = {"blocks.0.0.weight": "fc1", "blocks.0.1.weight": "fc2"}
     out = {}
@@ -369,7 +369,7 @@ def test_compute_and_activation_fractions(family, n, mesh, layout, params):
     algorithm = _algorithm(plan, layout)
     tp = _table_params(params)
     row = tpf.table_row(layout, **tp)
-    problem, choice = plan._problem, plan._choice
+    problem, choice = plan.problem, plan.choice
     fc1 = None
     for node in next(iter(problem.decisions.values())).node.graph.nodes:
         if node.op == "call_function" and node.target is aten.linear.default and \

@@ -31,7 +31,7 @@ def _plan(name, n, family, **kw):
 
 
 def _decisions(plan):
-    problem, choice = plan._problem, plan._choice
+    problem, choice = plan.problem, plan.choice
     for key, d in problem.decisions.items():
         yield d.node, d.options[choice[key]][0]
 
@@ -105,7 +105,7 @@ def test_a_gathered_activation_kept_for_backward_counts_as_memory():
     # Megatron-SP all-gathers the sequence-split input of each column-parallel linear layer,
     # which keeps the whole gathered input for its weight gradient: a tensor of its own.
     plan = _plan("gpt-tiny", 4, "megatron-sp")
-    problem, choice = plan._problem, plan._choice
+    problem, choice = plan.problem, plan.choice
     shared = shared_reshards(problem, choice)  # q, k and v share one gathered input
     held = sum(e.memory.get((e.producer_layouts[choice[e.producer]], e.consumer_layouts[choice[e.consumer]]), 0.0)
                * (e.count - shared.get(i, 0)) / e.count for i, e in enumerate(problem.edges))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .gpt import FeedForward, SelfAttention
-from .mlp import _build, _init_transformer_weights, _randint
+from .mlp import build_on_device, init_transformer_weights, seeded_randint
 
 __all__ = ["BertConfig", "BERT_CONFIGS", "Bert", "bert"]
 
@@ -74,7 +74,7 @@ class Bert(nn.Module):
         self.mlm_dense = nn.Linear(c.hidden, c.hidden)
         self.mlm_ln = nn.LayerNorm(c.hidden, eps=c.layer_norm_eps)
         self.mlm_decoder = nn.Linear(c.hidden, c.vocab_size)
-        self.apply(_init_transformer_weights)
+        self.apply(init_transformer_weights)
 
     def forward(
         self,
@@ -124,6 +124,6 @@ def bert(
     seq_len = config.max_position if seq_len is None else seq_len
     if not 0 < seq_len <= config.max_position:
         raise ValueError(f"seq_len={seq_len} must be in [1, max_position={config.max_position}]")
-    model = _build(Bert, config, device, dtype)
+    model = build_on_device(Bert, config, device, dtype)
     shape = (batch_size, seq_len)
-    return model, (_randint(config.vocab_size, shape, device), _randint(config.vocab_size, shape, device))
+    return model, (seeded_randint(config.vocab_size, shape, device), seeded_randint(config.vocab_size, shape, device))

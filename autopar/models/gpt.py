@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .mlp import _build, _init_transformer_weights, _randint
+from .mlp import build_on_device, init_transformer_weights, seeded_randint
 
 __all__ = ["GPTConfig", "GPT_CONFIGS", "GPT", "SelfAttention", "FeedForward", "gpt"]
 
@@ -130,7 +130,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(GPTBlock(c) for _ in range(c.n_layer))
         self.ln_f = nn.LayerNorm(c.n_embd, bias=c.bias)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
-        self.apply(_init_transformer_weights)
+        self.apply(init_transformer_weights)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
         """Logits (b, t, vocab), or the scalar cross-entropy loss if `targets`."""
@@ -165,6 +165,6 @@ def gpt(
     seq_len = config.block_size if seq_len is None else seq_len
     if not 0 < seq_len <= config.block_size:
         raise ValueError(f"seq_len={seq_len} must be in [1, block_size={config.block_size}]")
-    model = _build(GPT, config, device, dtype)
+    model = build_on_device(GPT, config, device, dtype)
     shape = (batch_size, seq_len)
-    return model, (_randint(config.vocab_size, shape, device), _randint(config.vocab_size, shape, device))
+    return model, (seeded_randint(config.vocab_size, shape, device), seeded_randint(config.vocab_size, shape, device))

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .mlp import _randint
+from .mlp import seeded_randint
 
 __all__ = ["HFLossWrapper", "hf_gpt2", "hf_bert", "HF_GPT2_TINY", "HF_BERT_TINY"]
 
@@ -62,7 +62,7 @@ def _finish(
     # HF constructors leave the model in train mode, like ours; keep it explicit.
     wrapped = HFLossWrapper(model).train()
     shape = (batch_size, seq_len)
-    return wrapped, (_randint(vocab_size, shape, device), _randint(vocab_size, shape, device))
+    return wrapped, (seeded_randint(vocab_size, shape, device), seeded_randint(vocab_size, shape, device))
 
 
 def hf_gpt2(

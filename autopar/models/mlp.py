@@ -27,7 +27,7 @@ def _generator() -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(_INPUT_SEED)
 
 
-def _randint(high: int, shape: tuple[int, ...], device: torch.device | str) -> Tensor:
+def seeded_randint(high: int, shape: tuple[int, ...], device: torch.device | str) -> Tensor:
     """Random int64 tensor in [0, high) on `device`.
 
     On meta no data exists, so we skip the generator (randint works on meta and
@@ -39,17 +39,17 @@ def _randint(high: int, shape: tuple[int, ...], device: torch.device | str) -> T
     return torch.randint(0, high, shape, generator=_generator()).to(device)
 
 
-def _randn(
+def seeded_randn(
     shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype | None = None
 ) -> Tensor:
-    """Random standard-normal float tensor on `device` (see `_randint` for why)."""
+    """Random standard-normal float tensor on `device` (see `seeded_randint` for why)."""
     dtype = dtype or torch.float32
     if torch.device(device).type == "meta":
         return torch.randn(shape, device="meta", dtype=dtype)
     return torch.randn(shape, generator=_generator()).to(device=device, dtype=dtype)
 
 
-def _build(
+def build_on_device(
     cls: type[nn.Module], config: Any, device: torch.device | str, dtype: torch.dtype | None
 ) -> nn.Module:
     """Instantiate `cls(config)` directly on `device` (meta allocates no storage)."""
@@ -62,7 +62,7 @@ def _build(
     return model
 
 
-def _init_transformer_weights(module: nn.Module) -> None:
+def init_transformer_weights(module: nn.Module) -> None:
     """GPT-2/BERT style init: N(0, 0.02) weights, zero biases. Skipped on meta, where there
     are no values to set (and torch's meta normal_ costs ~20 ms a call, 1.8 s for GPT-2)."""
     weight = getattr(module, "weight", None)
@@ -129,8 +129,8 @@ def mlp(
     MLPConfig fields.
     """
     config = replace(config or MLPConfig(), **overrides)
-    model = _build(MLP, config, device, dtype)
+    model = build_on_device(MLP, config, device, dtype)
     lead = (batch_size,) if seq_len is None else (batch_size, seq_len)
-    x = _randn((*lead, config.in_features), device, dtype)
-    target = _randint(config.out_features, lead, device)
+    x = seeded_randn((*lead, config.in_features), device, dtype)
+    target = seeded_randint(config.out_features, lead, device)
     return model, (x, target)

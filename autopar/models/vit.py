@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .gpt import FeedForward, SelfAttention
-from .mlp import _build, _init_transformer_weights, _randint, _randn
+from .mlp import build_on_device, init_transformer_weights, seeded_randint, seeded_randn
 
 __all__ = ["ViTConfig", "VIT_CONFIGS", "ViT", "vit"]
 
@@ -80,7 +80,7 @@ class ViT(nn.Module):
         self.blocks = nn.ModuleList(ViTBlock(c) for _ in range(c.n_layer))
         self.ln_f = nn.LayerNorm(c.hidden, eps=c.layer_norm_eps)
         self.head = nn.Linear(c.hidden, c.num_classes)
-        self.apply(_init_transformer_weights)
+        self.apply(init_transformer_weights)
         if not self.pos_embed.is_meta:  # nothing to set on meta
             nn.init.normal_(self.pos_embed, std=0.02)
             nn.init.normal_(self.cls_token, std=0.02)
@@ -123,6 +123,6 @@ def vit(
             f"ViT seq_len is fixed at {config.seq_len} (= (image_size/patch_size)^2 + 1); "
             f"got seq_len={seq_len}; pass image_size/patch_size overrides instead"
         )
-    model = _build(ViT, config, device, dtype)
-    pixels = _randn((batch_size, config.channels, config.image_size, config.image_size), device, dtype)
-    return model, (pixels, _randint(config.num_classes, (batch_size,), device))
+    model = build_on_device(ViT, config, device, dtype)
+    pixels = seeded_randn((batch_size, config.channels, config.image_size, config.image_size), device, dtype)
+    return model, (pixels, seeded_randint(config.num_classes, (batch_size,), device))

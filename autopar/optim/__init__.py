@@ -2,7 +2,7 @@
 CPU optimizer steps.
 
     from autopar.optim import LAMB, LARS, CPUAdamW
-    opt = LAMB(pm.parameters(), lr=2e-3, weight_decay=0.01)   # pm = autopar.runtime.parallelize(...)
+    opt = LAMB(pm.parameters(), lr=2e-3, weight_decay=0.01)   # pm = autopar.runtime.parallel_module.parallelize(...)
 
 LAMB and LARS read each local Parameter's ShardInfo (set by ``parallelize``) and reduce their
 trust-ratio norms over exactly the mesh axes it is split on; on an unparallelized model they

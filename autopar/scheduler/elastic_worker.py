@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..models import get_model
-from ..runtime import parallelize
+from ..runtime.parallel_module import parallelize
 from .job_checkpoint import has_job_state, load_job_state, save_job_state
 
 __all__ = ["make_batch", "main"]

@@ -31,7 +31,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.mesh import MeshSpec
-from autopar.strategy import _INTERNED, Layout, Strategy, placement_code
+from autopar.strategy import Layout, Strategy, placement_code
 
 __all__ = ["OpSpec", "REPLICATED", "AxisOption", "TensorInfo", "axis_options", "expand", "elementwise_spec",
            "without_algorithms"]
@@ -132,7 +132,7 @@ def _ok(layout: Layout, info: TensorInfo, mesh: MeshSpec) -> bool:
 
 def _layout(pairs) -> Layout:
     codes = tuple([c for _, c in pairs])
-    return _INTERNED.get(codes) or Layout.interned(tuple([p for p, _ in pairs]), codes)
+    return Layout.interned_by_codes(codes) or Layout.interned(tuple([p for p, _ in pairs]), codes)
 
 
 def expand(spec: OpSpec, inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo],
