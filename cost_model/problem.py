@@ -38,7 +38,7 @@ from autopar.mesh import MeshSpec
 from autopar.passes.annotate import STRATEGIES_KEY
 from autopar.passes.rules import tensor_leaves
 from autopar.strategy import REPLICATE_CODE, Layout, Strategy
-from autopar.techniques.base import PriceContext, technique
+from autopar.techniques.base import PriceContext, technique, techniques_for
 
 from .blocks import block_of as _block_of
 from .saved_inputs import saves_input
@@ -321,8 +321,9 @@ def _inputs(node: fx.Node) -> list[tuple[fx.Node, int]]:
 
 def _is_follower(node: fx.Node) -> bool:
     """A node with one tensor input and no parameter of its own (views, unary elementwise,
-    getitem) adopts its producer's layout: it gets no decision of its own."""
-    return node.op == "call_function" and len(_inputs(node)) == 1
+    getitem) adopts its producer's layout: it gets no decision of its own. An op a registered
+    technique covers always gets one (its technique's collectives are priced per decision)."""
+    return node.op == "call_function" and len(_inputs(node)) == 1 and not techniques_for(node.target)
 
 
 class PinError(AutoparError):

@@ -108,13 +108,15 @@ def node_strategies(node: fx.Node, mesh: MeshSpec, cache: dict | None = None) ->
     sig = _SIGNATURES.get(node)
     if sig is None:
         sig = _SIGNATURES[node] = _signature_tree(*pytree.tree_map(_val, (node.args, node.kwargs)))
-    key = (node.target, sig, mesh.sizes)  # strategies depend on mesh sizes only
+    covering = techniques_for(node.target)
+    # strategies depend on mesh sizes only (and on the techniques registered for the op)
+    key = (node.target, sig, mesh.sizes, covering)
     if cache is not None and key in cache:
         return cache[key]
     args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
     ins = [tensor_info(t) for t in tensor_leaves(args, kwargs)]
     result = tuple(expand(rule.fn(*args, **kwargs), ins, [tensor_info(t) for t in outs], mesh))
-    for technique in techniques_for(node.target):  # e.g. SUMMA's panel-loop linear layer
+    for technique in covering:  # e.g. SUMMA's panel-loop linear layer
         if technique.strategies is not None:
             result = result + tuple(technique.strategies(node, result, mesh))
     result = tag(node, result)  # each strategy a technique runs records its name

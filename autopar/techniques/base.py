@@ -55,7 +55,8 @@ technique files (which import their pricing and runtime kernels) are imported on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch.fx as fx
@@ -68,7 +69,7 @@ if TYPE_CHECKING:  # (types only)
     from autopar.cost_model.reshard import CommStep
 
 __all__ = ["Technique", "Family", "Pin", "PriceContext", "LowerContext", "register", "techniques", "technique",
-           "families", "family", "techniques_for", "tag"]
+           "families", "family", "techniques_for", "tag", "registered"]
 
 
 class Pin:
@@ -174,6 +175,20 @@ def register(t: Technique) -> Technique:
     for op in t.ops:
         _BY_OP[op] = tuple(x for x in _BY_OP.get(op, ()) if x.name != t.name) + (t,)
     return t
+
+
+@contextlib.contextmanager
+def registered(t: Technique) -> Iterator[Technique]:
+    """``t`` registered for the ``with`` block only (tests, experiments): the registry is as it
+    was afterwards. Annotate again after the block: strategies annotated inside carry its name."""
+    saved = dict(_TECHNIQUES), dict(_FAMILIES), dict(_BY_OP)
+    register(t)
+    try:
+        yield t
+    finally:
+        for live, old in zip((_TECHNIQUES, _FAMILIES, _BY_OP), saved):
+            live.clear()
+            live.update(old)
 
 
 def techniques() -> Iterator[Technique]:
