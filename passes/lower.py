@@ -18,7 +18,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autopar.cost_model.problem import _requires_grad, partial_grad_axes
+from autopar.cost_model.graph_facts import requires_grad
+from autopar.cost_model.problem import partial_grad_axes
 from autopar.cost_model.reshard import transitions
 from autopar.mesh import MeshSpec
 from autopar.runtime import collectives as C
@@ -62,7 +63,7 @@ class _Lowering:
         self.graph._codegen = gm.graph._codegen  # the user's call convention (read-only: shared, not copied)
         self.env: dict[str, Any] = {}
         self.layouts: dict[str, tuple[Layout, ...]] = {}
-        self.needs = _requires_grad(gm)
+        self.needs = requires_grad(gm)
         self.synced: dict[tuple, fx.Node] = {}
         self.param_uses: dict[str, list[ParamUse]] = {}  # parameter node -> its uses (passes/defer_sync.py)
         self.targets = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}

@@ -9,7 +9,6 @@ import pickle
 
 import pytest
 import torch
-import torch.fx as fx
 
 import autopar
 from autopar.cost_model.costs import TrainingSpec

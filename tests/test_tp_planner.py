@@ -11,7 +11,7 @@ import torch
 
 import autopar
 from autopar.cost_model.evaluate import shared_reshards
-from autopar.cost_model.problem import _block_of
+from autopar.cost_model.blocks import block_of as _block_of
 from autopar.cost_model.reshard import _transitions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshSpec

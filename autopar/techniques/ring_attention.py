@@ -8,8 +8,6 @@ dropout); a strategy with K split on its sequence dim on some axis is this techn
 
 from __future__ import annotations
 
-import math
-
 import torch.fx as fx
 
 from autopar.cost_model.algorithms import ring_attention_steps
