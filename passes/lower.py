@@ -218,7 +218,7 @@ class _Lowering:
         args, kwargs = self.localize(node, tuple(args), kwargs, s)
         lower_hook = technique(s.technique).lower if s.technique is not None else None
         if lower_hook is not None:  # the technique's runtime kernel replaces the op
-            out = lower_hook(LowerContext(self.graph, self.groups, self.mesh), node, s, tuple(args), kwargs)
+            out = lower_hook(LowerContext(self.graph, self.groups, self.mesh, self.env), node, s, tuple(args), kwargs)
         elif self.mp is not None:
             out = self.graph.call_function(node.target, *retarget_dtypes(tuple(args), kwargs, self.mp))
             if _made_floating(node, self.mp.traced_dtype):  # a factory, or int -> float: cast it

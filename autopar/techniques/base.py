@@ -114,11 +114,15 @@ class PriceContext:
 @dataclass(frozen=True)
 class LowerContext:
     """What a technique's lowering writes with: the per-rank graph under construction, the
-    process-group key of each mesh axis (``groups[axis]``) and the mesh."""
+    process-group key of each mesh axis (``groups[axis]``), the mesh, and ``env``: the per-rank
+    value of every traced node lowered so far, by name. A technique that replaces a sub-graph
+    tags each of its ops (``runs``), emits its kernel at the first and, at the others, returns
+    the kernel's outputs read from ``env`` (e.g. ``operator.getitem`` of the kernel's node)."""
 
     graph: fx.Graph
     groups: Sequence[Any]
     mesh: MeshSpec
+    env: Mapping[str, fx.Node]
 
 
 @dataclass(frozen=True)
