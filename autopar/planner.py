@@ -343,7 +343,7 @@ def _search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress
     return best, n_solved + n_again, note
 
 
-_BASELINE_FAMILIES = ("dp", "zero2", "zero3", "megatron", "megatron-sp", "megatron-dp")
+_BASELINE_FAMILIES = tuple(f.name for f in families.families() if f.baseline)
 
 
 def _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) -> list[BaselineResult]:

@@ -33,6 +33,8 @@ def test_built_in_techniques_and_families_are_registered_and_frozen():
         assert names.get(name) == fams, name
     assert STRATEGY_FAMILIES[0] == "auto" and STRATEGY_FAMILIES[-1] == "pp"
     assert set(STRATEGY_FAMILIES[1:-1]) == {f.name for f in base.families()}
+    assert [f.name for f in base.families() if f.baseline] == ["dp", "zero2", "zero3", "megatron", "megatron-sp",
+                                                               "megatron-dp"]
     # the runtime algorithms price and lower themselves; families-only techniques do neither
     for name in ("summa", "ring_attention", "optimus_norm"):
         t = base.technique(name)

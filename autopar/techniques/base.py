@@ -98,6 +98,7 @@ class Family:
     description: str
     meshes: Callable[[int, Any], list[tuple[MeshSpec, Pin]]]
     rank: int = 100  # where ``STRATEGY_FAMILIES`` lists it (lower first; ties by name)
+    baseline: bool = False  # priced beside every auto plan, in the report's baselines table
 
 
 @dataclass(frozen=True)

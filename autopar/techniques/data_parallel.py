@@ -23,8 +23,9 @@ DATA_PARALLEL = register(Technique(
     name="data_parallel",
     title="data parallel (weights whole on every device in use)",
     families=(
-        Family("dp", "data parallel (DDP): gradients all-reduced", _dp(), rank=10),
-        Family("zero2", "ZeRO-2: gradients and optimizer state split over dp", _dp(zero2=True), rank=11),
-        Family("zero3", "ZeRO-3 / FSDP: weights stored split, gathered for use", _dp(zero3=True), rank=12),
+        Family("dp", "data parallel (DDP): gradients all-reduced", _dp(), rank=10, baseline=True),
+        Family("zero2", "ZeRO-2: gradients and optimizer state split over dp", _dp(zero2=True), rank=11, baseline=True),
+        Family("zero3", "ZeRO-3 / FSDP: weights stored split, gathered for use", _dp(zero3=True),
+               rank=12, baseline=True),
     ),
 ))

@@ -29,8 +29,9 @@ MEGATRON = register(Technique(
     name="megatron",
     title="1D tensor parallel (Megatron: each weight matrix split on one axis)",
     families=(
-        Family("megatron", "Megatron 1D tensor parallel on tp", _tp(False), rank=20),
-        Family("megatron-sp", "Megatron 1D tensor parallel with sequence parallelism", _tp(True), rank=21),
-        Family("megatron-dp", "Megatron tensor parallel x data parallel", _tp_dp, rank=22),
+        Family("megatron", "Megatron 1D tensor parallel on tp", _tp(False), rank=20, baseline=True),
+        Family("megatron-sp", "Megatron 1D tensor parallel with sequence parallelism", _tp(True),
+               rank=21, baseline=True),
+        Family("megatron-dp", "Megatron tensor parallel x data parallel", _tp_dp, rank=22, baseline=True),
     ),
 ))
