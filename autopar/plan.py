@@ -102,6 +102,12 @@ class Plan:
     def peak_memory_bytes_per_device(self) -> float:
         return self.param_state_bytes + self.activation_bytes
 
+    @property
+    def solution(self) -> tuple[Any, Any]:
+        """(the priced ``cost_model`` Problem, the option chosen per decision), or (None, None) for
+        a plan read from JSON: what the report reads to name the plan's techniques."""
+        return self._problem, self._choice
+
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
             if n.name == name:

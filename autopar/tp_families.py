@@ -30,7 +30,7 @@ def layout_kind(plan) -> str:
     with ``+SP`` when some activation is split on its sequence dim on a tensor axis (Megatron-SP)
     or an attention runs as ring attention or over heads from a sequence split.
     """
-    problem, choice = plan._problem, plan._choice
+    problem, choice = plan.solution
     if problem is None:
         return "unknown"
     used: dict[int, int] = {}
@@ -118,7 +118,7 @@ def describe_parallelism(plan) -> list[str]:
         base, sp = "", "SP"
     lines = [f"parallelism: {_KIND_WORDS.get(base, base) if base else 'sequence parallel only'}"]
     if sp or base == "":
-        problem, choice = plan._problem, plan._choice
+        problem, choice = plan.solution
         runs: dict[str, list] = {}  # technique name -> the (node, strategy) pairs it runs
         seq_axes: set[int] = set()
         for key, d in problem.decisions.items():
