@@ -23,10 +23,7 @@ decision, and the activations each strategy keeps for backward.
 from __future__ import annotations
 
 import math
-import operator
-import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,11 +35,14 @@ from autopar.mesh import MeshSpec
 from autopar.passes.annotate import STRATEGIES_KEY
 from autopar.passes.rules import tensor_leaves
 from autopar.strategy import REPLICATE_CODE, Layout, Strategy
+from autopar.techniques.base import PriceContext, technique, techniques_for
 
-from autopar.tp_families import is_ring_attention, ring_axes, sharded_norm_axis, summa_axes
-
-from .blocks import block_of as _block_of
-from .algorithms import ring_attention_steps, sharded_norm_steps, summa_steps
+from .blocks import block_of as _block_of  # noqa: F401 (passes/split_stages imports it from here)
+from .decisions import Decision, EdgeTerm, Problem, SyncTerm
+from .graph_facts import graph_memo as _graph_memo
+from .graph_facts import requires_grad as _requires_grad
+from .graph_facts import share_blocks_and_ties as _share_blocks_and_ties
+from .graph_facts import tensor_inputs as _inputs
 from .saved_inputs import saves_input
 from .buckets import bucketed_all_reduce_s
 from .comm import all_reduce_s
@@ -59,184 +59,8 @@ __all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins
 Pins = Any
 
 
-@dataclass
-class Decision:
-    """One choice among ``options`` (strategy, zero-axes); costs already multiplied by ``count``."""
-
-    key: str
-    node: fx.Node
-    options: list[tuple[Strategy, tuple[int, ...]]]
-    seconds: list[float]
-    memory_bytes: list[float]
-    count: int = 1
-    is_param: bool = False
-    # Reshards folded in from followers, per option: their seconds and their collectives.
-    comm_seconds: list[float] = field(default_factory=list)
-    comm_steps: list[list[tuple[CommStep, int]]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.comm_seconds:
-            self.comm_seconds = [0.0] * len(self.options)
-            self.comm_steps = [[] for _ in self.options]
-
-
-@dataclass
-class EdgeTerm:
-    """Reshard cost between a producer's output layout and a consumer's input layout.
-
-    ``producer_layouts[i]`` is the layout the tensor has under option i of the producer's
-    decision (a follower's output is a function of its root's option); ``consumer_layouts[j]``
-    the layout option j of the consumer needs."""
-
-    producer: str
-    consumer: str
-    producer_layouts: list[Layout]
-    consumer_layouts: list[Layout]
-    seconds: dict[tuple[Layout, Layout], float]
-    count: int = 1
-    total_bytes: float = 0.0
-    needs_grad: bool = False
-    tensor: str = ""  # the tensor moved, as SyncTerm.tensor names it (ZeRO-3 pricing: cost_model/fsdp_pricing.py)
-    input_index: int = -1  # which tensor input of the consumer it is
-    sources: list[str] = field(default_factory=list)  # the actual tensor behind each of the ``count`` copies
-    targets: list[fx.Node] = field(default_factory=list)  # the actual consumer node of each copy
-    # Per (producer layout, consumer layout): bytes of the moved tensor the consumer keeps for its
-    # backward (a contraction saving its gathered activation panel), over the copies whose op keeps it.
-    memory: dict[tuple[Layout, Layout], float] = field(default_factory=dict)
-
-
 _SAVING_CONTRACTIONS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default,
                         torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
-
-
-@dataclass
-class SyncTerm:
-    """One gradient all-reduce of ``tensor`` on ``axis``, paid if any trigger option is chosen."""
-
-    tensor: str
-    axis: int
-    seconds: float
-    triggers: list[tuple[str, int]]  # (decision key, option index)
-    nbytes: float = 0.0  # per-rank bytes of the all-reduce, per copy
-    count: int = 1
-    # The parameter decision whose gradient this is (the tensor is the parameter or a follower
-    # of it), or "": a ZeRO-2 option of that parameter on ``axis`` reduce-scatters it instead.
-    param: str = ""
-    layout: Layout | None = None  # the consumer's layout of the tensor (replicated on ``axis``)
-    # consumer decision key -> the actual tensors whose all-reduce it triggers (``count`` is all of
-    # them: the ILP's estimate; ``active_count`` the exact number under a choice)
-    sources: dict[str, set[str]] = field(default_factory=dict)
-
-    def active_count(self, choice: dict[str, int]) -> int:
-        """How many actual tensors' all-reduces the chosen options trigger (0: none)."""
-        active = {k for k, i in self.triggers if choice[k] == i}
-        if not active:
-            return 0
-        if not self.sources:
-            return self.count
-        return len(set().union(*(self.sources.get(k, set()) for k in active))) or self.count
-
-
-@dataclass
-class Problem:
-    mesh: MeshSpec
-    decisions: dict[str, Decision]
-    edges: list[EdgeTerm]
-    syncs: list[SyncTerm]
-    rep_of: dict[str, str]  # every node name -> the decision key it shares
-    counts: dict[str, int] = field(default_factory=dict)
-    # Followers: node name -> (root decision key, per root option: (strategy of the node, its output layouts))
-    followers: dict[str, tuple[str, list[Strategy]]] = field(default_factory=dict)
-    needs_grad: dict[str, bool] = field(default_factory=dict)  # node name -> it needs a gradient
-    optimizer: str = "adamw"  # TrainingSpec.optimizer: LAMB/LARS add norm all-reduces (optimizer_norms.py)
-    # Activation recompute of repeated blocks the ILP may choose (cost_model/recompute.py)
-    recompute: list = field(default_factory=list)
-    host: Any = None  # ZeRO-Offload: host bytes per parameter option (cost_model/offload.HostMemory)
-
-    def strategy_of(self, name: str, choice: dict[str, int]) -> Strategy:
-        """The strategy node ``name`` runs under a solved ``choice``."""
-        key = self.rep_of[name]
-        if key in self.followers:
-            root, per_option = self.followers[key]
-            return per_option[choice[root]]
-        return self.decisions[key].options[choice[key]][0]
-
-    def n_variables(self) -> int:
-        n = sum(len(d.options) for d in self.decisions.values())
-        n += sum(len(e.seconds) for e in self.edges)
-        return n + len(self.syncs)
-
-
-def _signature(node: fx.Node) -> tuple:
-    val = node.meta.get("val")
-    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-    return (node.op, str(node.target) if node.op == "call_function" else "", shape)
-
-
-def _share_blocks(nodes: list[fx.Node]) -> dict[str, str]:
-    """Map each node to the node whose decision it shares (itself unless in a repeated block)."""
-    rep = {n.name: n.name for n in nodes}
-    blocks: dict[tuple[str, int], list[fx.Node]] = defaultdict(list)
-    for n in nodes:
-        b = _block_of(n)
-        if b is not None:
-            blocks[b].append(n)
-    by_prefix: dict[str, list[int]] = defaultdict(list)
-    for prefix, index in blocks:
-        by_prefix[prefix].append(index)
-    for prefix, indices in by_prefix.items():
-        indices.sort()
-        first = indices[0]
-        first_sig = [_signature(n) for n in blocks[(prefix, first)]]
-        for index in indices[1:]:
-            members = blocks[(prefix, index)]
-            if [_signature(n) for n in members] != first_sig:
-                first, first_sig = index, [_signature(n) for n in members]
-                continue
-            for n, r in zip(members, blocks[(prefix, first)]):
-                rep[n.name] = r.name
-    return rep
-
-
-def _share_blocks_and_ties(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[dict[str, str], frozenset[str]]:
-    """``_share_blocks``, and tied parameters (one tensor under several names, e.g. GPT-2's
-    embedding and output head): every use of a tied tensor shares the first use's decision,
-    so it has one layout, one ZeRO choice and its memory counted once. Returns the mapping and
-    the names of the later uses."""
-    rep = _share_blocks(nodes)
-    first: dict[int, str] = {}
-    tied = set()
-    for n in nodes:
-        if n.op != "get_attr":
-            continue
-        try:
-            t = gm.get_parameter(str(n.target))
-        except AttributeError:
-            continue
-        if id(t) in first and first[id(t)] != n.name:
-            rep[n.name] = rep[first[id(t)]]
-            tied.add(n.name)
-        else:
-            first.setdefault(id(t), n.name)
-    return rep, frozenset(tied)
-
-
-def _requires_grad(gm: fx.GraphModule) -> dict[str, bool]:
-    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-    needs: dict[str, bool] = {}
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point or (
-            isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point
-                                                   for v in val))
-        if n.op == "get_attr":
-            needs[n.name] = str(n.target) in params
-        elif n.op == "call_function":
-            ins = tensor_leaves(n.args, n.kwargs, lambda x: isinstance(x, fx.Node))
-            needs[n.name] = bool(floating) and any(needs.get(i.name, False) for i in ins)
-        else:  # a placeholder: a pipeline stage's input from the previous stage may need grad
-            needs[n.name] = bool(n.meta.get("autopar_requires_grad", False))
-    return needs
 
 
 def _tensor_bytes(val: Any, train: TrainingSpec) -> float:
@@ -289,42 +113,11 @@ def zero2_steps(numel: int, layout: Layout, zero_axes: tuple[int, ...], mesh: Me
     return steps
 
 
-_GRAPH_MEMO: "weakref.WeakKeyDictionary[fx.Graph, dict]" = weakref.WeakKeyDictionary()
-
-
-def _graph_memo(graph: fx.Graph, name: str, compute):
-    """Facts of a graph that do not depend on the mesh (repeated blocks, which nodes need
-    gradients), computed once however many meshes the planner prices."""
-    memo = _GRAPH_MEMO.setdefault(graph, {})
-    if name not in memo:
-        memo[name] = compute()
-    return memo[name]
-
-
-_INPUTS: "weakref.WeakKeyDictionary[fx.Node, list]" = weakref.WeakKeyDictionary()
-
-
-def _inputs(node: fx.Node) -> list[tuple[fx.Node, int]]:
-    """(producer, output index) of each tensor input of ``node``, in strategy order (memoized:
-    the planner prices one graph for many meshes)."""
-    hit = _INPUTS.get(node)
-    if hit is not None:
-        return hit
-    if node.op != "call_function":
-        hit = []
-    elif node.target is operator.getitem:
-        hit = [(node.args[0], int(node.args[1]))]
-    else:
-        hit = [(p, 0) for p in tensor_leaves(node.args, node.kwargs, lambda x: isinstance(x, fx.Node) and
-                                             isinstance(x.meta.get("val"), torch.Tensor))]
-    _INPUTS[node] = hit
-    return hit
-
-
 def _is_follower(node: fx.Node) -> bool:
     """A node with one tensor input and no parameter of its own (views, unary elementwise,
-    getitem) adopts its producer's layout: it gets no decision of its own."""
-    return node.op == "call_function" and len(_inputs(node)) == 1
+    getitem) adopts its producer's layout: it gets no decision of its own. An op a registered
+    technique covers always gets one (its technique's collectives are priced per decision)."""
+    return node.op == "call_function" and len(_inputs(node)) == 1 and not techniques_for(node.target)
 
 
 class PinError(AutoparError):
@@ -350,6 +143,7 @@ class _Builder:
         self.decisions: dict[str, Decision] = {}
         self.followers: dict[str, tuple[str, list[Strategy]]] = {}
         self._split_cache: dict[str, list[tuple[int, ...]]] = {}
+        self.price_context = PriceContext(mesh, train, self.needs, lambda val: _tensor_bytes(val, train))
 
     def reshard(self, a: Layout, b: Layout, total: float, grad: bool):
         """(forward steps, backward steps, seconds) of a reshard."""
@@ -386,7 +180,7 @@ class _Builder:
             options = options or [(s, ()) for s in strategies]
         if self.pins is not None:
             kept = [o for o in options if self.pins(n, o)]
-            if not kept and n.op == "placeholder" and getattr(self.pins, "strict", True):
+            if not kept and n.op == "placeholder" and self.pins.strict:
                 short = (f"input {n.name} of shape {tuple(n.meta['val'].shape)} cannot take the layout the "
                          f"strategy asks for on mesh {self.mesh}")
                 raise PinError(f"the strategy family cannot be followed: {short} (e.g. the batch does not divide "
@@ -421,40 +215,12 @@ class _Builder:
                 d.comm_steps[i].extend((step, count) for step in steps)
 
     def algorithm_steps(self, n: fx.Node, st: Strategy, backward: bool = True) -> list[CommStep]:
-        """The collectives of a runtime algorithm the strategy runs (``cost_model.algorithms``);
+        """The collectives of the registered technique the strategy runs (``autopar.techniques``);
         ``backward=False``: its forward's only (what a recompute runs again)."""
-        if is_ring_attention(n, st):
-            return self.ring_steps(n, st, backward)
-        if summa_axes(n, st) is not None:
-            return self.summa_steps(n, st, backward)
-        axis = sharded_norm_axis(n, st)
-        if axis is not None:
-            x = n.args[0].meta["val"]
-            local = st.inputs[0].local_shape(self.mesh, tuple(x.shape))
-            return sharded_norm_steps(math.prod(local[:-1]), axis, self.train.activation_bytes_per_elem,
-                                      self.needs[n.name] and backward)
-        return []
-
-    def ring_steps(self, n: fx.Node, st: Strategy, backward: bool = True) -> list[CommStep]:
-        """Ring attention's sends (``cost_model.algorithms``): K and V blocks around the ring."""
-        (axis,) = ring_axes(n, st)
-        k, v = n.args[1], n.args[2]
-        kb = _tensor_bytes(k.meta["val"], self.train) * st.inputs[1].local_fraction(self.mesh)
-        vb = _tensor_bytes(v.meta["val"], self.train) * st.inputs[2].local_fraction(self.mesh)
-        return ring_attention_steps(kb, vb, self.mesh.sizes[axis], axis, self.needs[n.name] and backward,
-                                    self.train.activation_bytes_per_elem)
-
-    def summa_steps(self, n: fx.Node, st: Strategy, backward: bool = True) -> list[CommStep]:
-        """SUMMA's broadcasts and reduces (``cost_model.algorithms``) for a linear layer."""
-        r, c = summa_axes(n, st)
-        x, w = n.args[0], n.args[1]
-        x_local = st.inputs[0].local_shape(self.mesh, tuple(x.meta["val"].shape))
-        n_local = st.inputs[1].local_shape(self.mesh, tuple(w.meta["val"].shape))[0]
-        rows = math.prod(x_local[:-1])
-        k = w.meta["val"].shape[1]
-        return summa_steps(rows, k, n_local, self.mesh.sizes[r], self.mesh.sizes[c], r, c,
-                           self.train.activation_bytes_per_elem, self.needs.get(x.name, False),
-                           self.needs.get(w.name, False), self.needs[n.name] and backward)
+        if st.technique is None:
+            return []
+        price = technique(st.technique).price
+        return price(self.price_context, n, st, backward) if price is not None else []
 
     def add_input_grad(self, n: fx.Node, d: Decision) -> None:
         """An input whose gradient is wanted (a pipeline stage's input) is cut from the whole
