@@ -38,9 +38,9 @@ from .plan_arguments import check_plan_arguments
 from .mesh import MeshSpec
 from .passes.annotate import annotate
 from .plan import BaselineResult, NodePlan, Plan, SolverStats
-from .techniques import base as families
+from . import technique as families
 from .techniques import catalog  # noqa: F401 (imports every technique file, so each registers)
-from .techniques.base import Pin
+from .technique import Pin
 from .techniques.pins import OuterDataAxis
 from .trace import graph_fingerprint, trace
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .passes.rules import tensor_leaves
-from .techniques.base import technique, techniques
+from .technique import technique, techniques
 from .techniques import catalog  # noqa: F401 (imports every technique file, so each registers)
 from .techniques.pins import LAYER_NORMS, batch_sizes, is_tensor_node
 

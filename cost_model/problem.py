@@ -35,7 +35,7 @@ from autopar.mesh import MeshSpec
 from autopar.passes.annotate import STRATEGIES_KEY
 from autopar.passes.rules import tensor_leaves
 from autopar.strategy import REPLICATE_CODE, Layout, Strategy
-from autopar.techniques.base import PriceContext, technique, techniques_for
+from autopar.technique import PriceContext, technique, techniques_for
 
 from .blocks import block_of as _block_of  # noqa: F401 (passes/split_stages imports it from here)
 from .decisions import Decision, EdgeTerm, Problem, SyncTerm

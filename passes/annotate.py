@@ -27,7 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.mesh import MeshSpec
 from autopar.strategy import Layout, Strategy
-from autopar.techniques.base import tag, techniques_for
+from autopar.technique import tag, techniques_for
 
 from .rules import expand, get_rule, has_rule, op_name, tensor_info, tensor_leaves
 

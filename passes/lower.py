@@ -30,7 +30,7 @@ from autopar.runtime import fsdp as F
 from autopar.runtime.mixed_precision import MixedPrecision, retarget_dtypes, to_compute_dtype
 from autopar.strategy import REPLICATE_CODE, PARTIAL_AVG_CODE, Layout, Replicate, Strategy
 from autopar.techniques import catalog  # noqa: F401 (imports every technique file, so each registers)
-from autopar.techniques.base import LowerContext, technique
+from autopar.technique import LowerContext, technique
 
 from .defer_sync import ParamUse, defer_param_syncs, fsdp_axis
 from .recompute_regions import checkpoint_blocks

@@ -18,7 +18,8 @@ from autopar.cost_model.reshard import CommStep
 from autopar.errors import AutoparError
 from autopar.models import MLPConfig, mlp
 from autopar.planner import STRATEGY_FAMILIES
-from autopar.techniques import base
+from autopar import technique as base
+from autopar.techniques import catalog  # noqa: F401 (every technique file registers)
 from autopar.techniques.pins import ClassicPin, GridPin, SequencePin
 
 aten = torch.ops.aten

@@ -1,7 +1,7 @@
-"""Import every technique file in this folder, so each one registers itself on ``base``.
+"""Import every technique file in this folder, so each one registers itself (``autopar.technique``).
 
 A new technique is picked up by dropping its file here; nothing else names it. Modules that are
-not techniques (``base``, ``pins``, this one) register nothing. The search (``autopar.planner``),
+not techniques (``pins``, this one) register nothing. The search (``autopar.planner``),
 the lowering (``passes.lower``) and the report import this module.
 """
 
@@ -11,11 +11,11 @@ import importlib
 import os
 import pkgutil
 
-from . import base
+from autopar import technique as base
 
 __all__ = ["NAMES"]
 
-_NOT_TECHNIQUES = {"base", "pins", "catalog"}
+_NOT_TECHNIQUES = {"pins", "catalog"}
 
 for _info in sorted(pkgutil.iter_modules([os.path.dirname(__file__)]), key=lambda m: m.name):
     if _info.name not in _NOT_TECHNIQUES:

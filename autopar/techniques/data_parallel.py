@@ -9,7 +9,7 @@ plan as baselines.
 
 from __future__ import annotations
 
-from .base import Family, Technique, register
+from autopar.technique import Family, Technique, register
 from .pins import ClassicPin
 
 __all__ = ["DATA_PARALLEL"]

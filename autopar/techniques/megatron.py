@@ -10,7 +10,7 @@ model prices already; this file offers the families.
 
 from __future__ import annotations
 
-from .base import Family, Technique, register
+from autopar.technique import Family, Technique, register
 from .pins import ClassicPin
 
 __all__ = ["MEGATRON"]

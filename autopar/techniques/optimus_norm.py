@@ -17,7 +17,7 @@ from autopar.cost_model.algorithms import sharded_norm_steps
 from autopar.runtime.sharded_norm import sharded_layer_norm
 from autopar.strategy import Strategy
 
-from .base import LowerContext, PriceContext, Technique, register
+from autopar.technique import LowerContext, PriceContext, Technique, register
 
 __all__ = ["OPTIMUS_NORM", "sharded_norm_axis"]
 

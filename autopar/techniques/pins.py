@@ -1,6 +1,6 @@
 """The pins the built-in families share: restrictions on each node's (strategy, zero) options.
 
-A pin is a frozen dataclass (``base.Pin``): its fields are the family's parameters (which mesh
+A pin is a frozen dataclass (``autopar.technique.Pin``): its fields are the family's parameters (which mesh
 axes split the batch, which split the weights, ...), its ``__call__`` the predicate the cost
 problem applies to every option, and its class settings ``zero2``/``strict`` what the problem
 reads. Per-graph facts (the batch sizes, whether the model has repeated blocks) are memoized in
@@ -20,7 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.cost_model.blocks import block_of
 from autopar.passes.rules import tensor_leaves
 
-from .base import Pin
+from autopar.technique import Pin
 
 __all__ = ["ClassicPin", "GridPin", "SequencePin", "OuterDataAxis", "batch_sizes", "is_tensor_node", "ATTENTION",
            "LAYER_NORMS", "sequence_meshes", "pairs"]

@@ -14,7 +14,7 @@ from autopar.cost_model.algorithms import ring_attention_steps
 from autopar.runtime.ring_attention import ring_attention
 from autopar.strategy import Strategy
 
-from .base import Family, LowerContext, PriceContext, Technique, register
+from autopar.technique import Family, LowerContext, PriceContext, Technique, register
 from .pins import ATTENTION, sequence_meshes
 
 __all__ = ["RING_ATTENTION", "is_ring_attention", "ring_axes"]

@@ -25,7 +25,7 @@ from autopar.mesh import MeshSpec
 from autopar.runtime.summa import summa_matmul
 from autopar.strategy import Layout, Strategy
 
-from .base import Family, LowerContext, PriceContext, Technique, register
+from autopar.technique import Family, LowerContext, PriceContext, Technique, register
 from .pins import GridPin, pairs
 
 __all__ = ["SUMMA", "summa_strategies", "summa_axes"]

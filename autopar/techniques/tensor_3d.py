@@ -8,7 +8,7 @@ A family only: its collectives are reshards the cost model already prices. Famil
 
 from __future__ import annotations
 
-from .base import Family, Technique, register
+from autopar.technique import Family, Technique, register
 from .pins import GridPin
 
 __all__ = ["TENSOR_3D"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from .base import Family, Technique, register
+from autopar.technique import Family, Technique, register
 from .pins import GridPin
 
 __all__ = ["TESSERACT"]

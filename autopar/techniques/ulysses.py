@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from autopar.strategy import Strategy
 
-from .base import Family, Technique, register
+from autopar.technique import Family, Technique, register
 from .pins import ATTENTION, sequence_meshes
 
 __all__ = ["ULYSSES"]

@@ -20,7 +20,7 @@ The rest of autopar iterates over :func:`techniques` and never imports a techniq
 Adding a parallel dimension (expert parallelism, say) is one new file::
 
     # autopar/techniques/expert_parallel.py
-    from autopar.techniques.base import Family, Pin, Technique, register
+    from autopar.technique import Family, Pin, Technique, register
 
     def _runs(node, strategy) -> bool:             # which strategies are this technique's
         return node.target is grouped_mm and <experts split on an axis>(strategy)
@@ -49,8 +49,9 @@ kinds priced today: all_gather, reduce_scatter, all_reduce, all_to_all, broadcas
 
 This module is vocabulary: it imports nothing of autopar above ``strategy`` and ``mesh``, so
 annotate, the cost model, the lowering and the planner can all read the registry. The
-technique files (which import their pricing and runtime kernels) are imported once by
-``autopar.techniques`` (the package), which ``autopar`` imports.
+technique files (which import their pricing and runtime kernels) live in ``autopar/techniques/``
+and are imported once by ``autopar.techniques.catalog``, which the search, the lowering and the
+report import.
 """
 
 from __future__ import annotations
