@@ -24,6 +24,8 @@ earlier stage, so the cost model and the lowering treat its gradient like an act
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 
@@ -103,6 +105,25 @@ def _assign(gm: fx.GraphModule, stage_blocks: tuple[int, ...]) -> tuple[dict[str
     return stage, holders
 
 
+def _check_tied_names(gm: fx.GraphModule, nodes: list[fx.Node], holders: dict[str, tuple[int, ...]]) -> None:
+    """One tensor under several names (tied weights the trace kept apart): the stages that use it
+    must all use one of its names, which the runtime syncs; else refuse (the search skips it)."""
+    by_tensor: dict[int, dict[str, set[int]]] = {}
+    for n in nodes:
+        if n.op == "get_attr":
+            try:
+                tensor = functools.reduce(getattr, str(n.target).split("."), gm)
+            except AttributeError:
+                continue
+            by_tensor.setdefault(id(tensor), {}).setdefault(str(n.target), set()).update(holders[n.name])
+    for names in by_tensor.values():
+        stages = set().union(*names.values())
+        if len(stages) > 1 and not any(s == stages for s in names.values()):
+            raise AutoparError(f"weights {sorted(names)} are one tensor used by pipeline stages {sorted(stages)} under "
+                               f"different names; pipeline stages sync a tied weight under one name only. Tie them "
+                               f"to one module attribute, or plan without pipeline stages")
+
+
 def split_stages(gm: fx.GraphModule, stage_blocks: tuple[int, ...]) -> StageGraphs:
     """The stage graphs of ``gm`` (see module doc). Each keeps the original node names and
     ``meta`` (shapes, module stacks), so a plan for a stage names the same nodes."""
@@ -134,6 +155,7 @@ def split_stages(gm: fx.GraphModule, stage_blocks: tuple[int, ...]) -> StageGrap
         if n.op == "get_attr" and len(holders[n.name]) > 1:
             target = str(n.target)
             out.tied[target] = tuple(sorted(set(out.tied.get(target, ())) | set(holders[n.name])))
+    _check_tied_names(gm, nodes, holders)
     for k in range(n_stages):
         ins = [p.name for p in placeholders] if k == 0 else live_into(k)
         outs = live_into(k + 1) if k < n_stages - 1 else None

@@ -92,9 +92,12 @@ def run_case(pp: int, stage_mesh: str | None, schedule: str, m: int, options: di
             predicted[k] = predicted.get(k, 0.0) + m * b
     for k, b in pm.deferred_sync_bytes().items():  # ... but its parameter syncs once per step
         predicted[k] -= (m - 1) * b
+    position = dist.get_rank() // (dist.get_world_size() // pp)
+    for t in pm.info.tied:  # ... and the all-reduce of a weight tied across stages once per step
+        if position in t.positions:
+            predicted["all_reduce"] = predicted.get("all_reduce", 0.0) + t.bytes_per_rank
     in_flight = [activations_in_flight(schedule, pp, m, s % pp, v) for s in pm.stage_ids]
     predicted_activations = sum(n * pm.plans[s].activation_bytes for n, s in zip(in_flight, pm.stage_ids))
-    position = dist.get_rank() // (dist.get_world_size() // pp)
     held = {name: tuple(p.shape) for s in pm.stages for name, p in s.program.named_parameters()}
     mine = dict(rank=dist.get_rank(), stages=pm.stage_ids, sent=sent, predicted=predicted, spied=spied,
                 spy_predicted=pm.info.predicted_bytes(position), tied=[t.to_dict() for t in pm.info.tied], held=held,
