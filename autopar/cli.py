@@ -89,10 +89,10 @@ def _writable(path: str | None, option: str) -> None:
 def _cmd_zoo(args: argparse.Namespace) -> int:
     from .models import list_models
 
-    print(f"{'name':16s} {'batch':>5s} {'seq':>5s}  description")
+    print(f"{'name':16s} {'batch':>5s} {'seq':>5s} {'gpus':>5s}  description")
     for entry in list_models():
         seq = "-" if entry.seq_len is None else str(entry.seq_len)
-        print(f"{entry.name:16s} {entry.batch_size:5d} {seq:>5s}  {entry.description}")
+        print(f"{entry.name:16s} {entry.batch_size:5d} {seq:>5s} {entry.gpus:5d}  {entry.description}")
     return 0
 
 

@@ -5,10 +5,13 @@ opens offline and can be mailed or attached to an issue. Plots are hand-written 
 
 - memory per device: the plan's parameters+gradients+optimizer state and activations, next
   to each baseline's peak (baselines report a total only, and are drawn as such);
-- step time: the plan's compute, communication and pipeline bubble (0 until pipeline stages
-  exist), next to each baseline's step time (again a total only);
-- the mesh (devices drawn by axis, with each axis's link) and the per-block layout table of
-  ``autopar.report``, with one coloured chip per mesh axis for each output placement.
+- step time: the plan's compute, communication and pipeline bubble (0 without pipeline
+  stages), next to each baseline's step time (again a total only);
+- pipeline stages (a pipelined plan): per stage its blocks, time, communication, bytes sent,
+  memory and its stage plan's solver figures;
+- the mesh (devices drawn by axis, with each axis's link; cells shrink to keep the drawing
+  within the page up to 4096 devices) and the per-block layout table of ``autopar.report``,
+  with one coloured chip per axis of the mesh the layouts are for (the stage mesh of a pipeline).
 
 Every piece of text goes through :func:`html.escape`.
 """
@@ -21,7 +24,7 @@ import re
 from dataclasses import dataclass
 
 from .plan import BaselineResult, Plan
-from .report import _block_rows, _gib, _ms
+from .report import block_rows, gib, ms, bubble_share, stage_rows
 
 __all__ = ["render_html", "write_html"]
 
@@ -141,10 +144,10 @@ def _baseline_label(b: BaselineResult) -> str:
 
 def _memory_chart(plan: Plan) -> str:
     bars = [_Bar(f"autopar ({plan.mesh})", ((_PARAMS, plan.param_state_bytes), (_ACTS, plan.activation_bytes)),
-                 _gib(plan.peak_memory_bytes_per_device))]
+                 gib(plan.peak_memory_bytes_per_device))]
     for b in plan.baselines:
         fits = "" if b.feasible else " (does not fit)"
-        text = _gib(b.peak_memory_bytes_per_device) + fits if math.isfinite(b.peak_memory_bytes_per_device) \
+        text = gib(b.peak_memory_bytes_per_device) + fits if math.isfinite(b.peak_memory_bytes_per_device) \
             else "no plan"
         bars.append(_Bar(_baseline_label(b), ((_TOTAL, b.peak_memory_bytes_per_device),), text, not b.feasible))
     peak = max([plan.peak_memory_bytes_per_device] + [b.peak_memory_bytes_per_device for b in plan.baselines
@@ -159,14 +162,15 @@ def _memory_chart(plan: Plan) -> str:
 
 
 def _time_chart(plan: Plan) -> str:
-    bubble = 0.0  # no pipeline stages yet: kept as a category so the chart's meaning does not change later
+    bubble = plan.pipeline.bubble_seconds if plan.pipeline is not None else 0.0
     bars = [_Bar(f"autopar ({plan.mesh})", ((_COMPUTE, plan.compute_seconds), (_COMM, plan.comm_seconds),
-                                            (_BUBBLE, bubble)), _ms(plan.step_seconds))]
+                                            (_BUBBLE, bubble)), ms(plan.step_seconds))]
     for b in plan.baselines:
         fits = "" if b.feasible else " (does not fit)"
-        text = _ms(b.step_seconds) + fits if math.isfinite(b.step_seconds) else "no plan"
+        text = ms(b.step_seconds) + fits if math.isfinite(b.step_seconds) else "no plan"
         bars.append(_Bar(_baseline_label(b), ((_TOTAL, b.step_seconds),), text, not b.feasible))
-    legend = [(_COMPUTE, "compute"), (_COMM, "communication"), (_BUBBLE, "bubble (0: no pipeline)")]
+    legend = [(_COMPUTE, "compute"), (_COMM, "communication"),
+              (_BUBBLE, "pipeline bubble" if plan.pipeline is not None else "bubble (0: no pipeline)")]
     if plan.baselines:
         legend.append((_TOTAL, "baseline total"))
     return _bar_chart("time-chart", "Predicted step time", bars, 1e-3, "ms", legend)
@@ -175,41 +179,58 @@ def _time_chart(plan: Plan) -> str:
 # --------------------------------------------------------------------------------- mesh
 
 
-def _mesh_svg(plan: Plan) -> str:
-    """Devices drawn by mesh coordinate: last axis across, the one before down, the first as boxes.
+MESH_MAX_WIDTH = 880  # px: the drawing shares a row of the 1320 px page (_CSS max-width) with the axis table
 
-    Only for meshes of at most 3 axes and 64 devices; bigger ones get the axis table alone.
-    """
+
+def _mesh_svg(plan: Plan) -> str:
+    """Devices drawn by mesh coordinate: last axis across, the one before down, the first as boxes
+    (boxes wrap into rows; axes before the first are folded into it). Cells shrink (down to 6 px,
+    device ids drawn only while they fit) so the drawing stays within ``MESH_MAX_WIDTH``; meshes
+    over 4096 devices get the axis table alone."""
     sizes, axes = plan.mesh.sizes, plan.mesh.axes
-    if not sizes or len(sizes) > 3 or math.prod(sizes) > 64:
+    if not sizes or math.prod(sizes) > 4096:
         return ""
     cols = sizes[-1]
     rows = sizes[-2] if len(sizes) >= 2 else 1
-    groups = sizes[0] if len(sizes) == 3 else 1
+    groups = math.prod(sizes[:-2]) if len(sizes) >= 3 else 1
+    box_axis = axes[0] if len(sizes) == 3 else "x".join(axes[:-2])
     cell, gap, pad = 34, 6, 16
+    while cell > 6:  # shrink until one box fits the width, and the boxes fit in a few rows
+        gap, pad = max(1, cell // 6), max(4, cell // 2)
+        group_w = cols * (cell + gap) - gap + 2 * pad
+        per_row = max(1, (MESH_MAX_WIDTH + 14) // (group_w + 14))
+        if group_w <= MESH_MAX_WIDTH and math.ceil(groups / per_row) * rows * (cell + gap) <= 1200:
+            break
+        cell -= 2
+    gap, pad = max(1, cell // 6), max(4, cell // 2)
     group_w = cols * (cell + gap) - gap + 2 * pad
     group_h = rows * (cell + gap) - gap + 2 * pad + 16
-    width = groups * (group_w + 14)
-    height = group_h + 4 if groups > 1 else 18 + rows * (cell + gap)
+    per_row = max(1, min(groups, (MESH_MAX_WIDTH + 14) // (group_w + 14)))
+    box_rows = math.ceil(groups / per_row)
+    width = per_row * (group_w + 14) if groups > 1 else group_w
+    height = box_rows * (group_h + 8) if groups > 1 else 18 + rows * (cell + gap)
+    labels = cell >= 18
     out = [f'<svg id="mesh-diagram" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" font-size="11" font-family="system-ui, sans-serif" role="img" '
-           f'aria-label="device mesh">']
+           f'viewBox="0 0 {width} {height}" font-size="{11 if labels else 9}" font-family="system-ui, sans-serif" '
+           f'role="img" aria-label="device mesh">']
     for g in range(groups):
-        gx = g * (group_w + 14)
+        gx, gy = (g % per_row) * (group_w + 14), (g // per_row) * (group_h + 8)
         if groups > 1:
-            out.append(f'<rect x="{gx + 0.5}" y="0.5" width="{group_w - 1}" height="{group_h - 1}" rx="6" '
-                       f'fill="#fafafa" stroke="#bbb"/><text x="{gx + 8}" y="13" fill="#555">{_e(axes[0])}={g}</text>')
+            out.append(f'<rect x="{gx + 0.5}" y="{gy + 0.5}" width="{group_w - 1}" height="{group_h - 1}" rx="6" '
+                       f'fill="#fafafa" stroke="#bbb"/><text x="{gx + 8}" y="{gy + 13}" fill="#555">'
+                       f'{_e(box_axis)}={g}</text>')
         for r in range(rows):
             for c in range(cols):
                 device = (g * rows + r) * cols + c
-                x, y = gx + pad + c * (cell + gap), 18 + r * (cell + gap)
-                out.append(f'<rect x="{x}" y="{y}" width="{cell}" height="{cell}" rx="4" fill="#dbe7f3" '
-                           f'stroke="#4c78a8"/><text x="{x + cell / 2}" y="{y + cell / 2 + 4}" '
-                           f'text-anchor="middle">{device}</text>')
+                x, y = gx + pad + c * (cell + gap), gy + 18 + r * (cell + gap)
+                out.append(f'<rect x="{x}" y="{y}" width="{cell}" height="{cell}" rx="{min(4, cell // 4)}" '
+                           f'fill="#dbe7f3" stroke="#4c78a8"><title>device {device}</title></rect>')
+                if labels:
+                    out.append(f'<text x="{x + cell / 2}" y="{y + cell / 2 + 4}" text-anchor="middle">{device}</text>')
     out.append("</svg>")
     across = f"across: {axes[-1]}"
     down = f", down: {axes[-2]}" if len(sizes) >= 2 else ""
-    boxes = f", boxes: {axes[0]}" if len(sizes) == 3 else ""
+    boxes = f", boxes: {'x'.join(axes[:-2])}" if len(sizes) >= 3 else ""
     return "".join(out) + f"<p class='note'>{_e(across + down + boxes)}; device ids are row-major</p>"
 
 
@@ -249,10 +270,11 @@ def _chips(layout: str, n_axes: int) -> str:
 
 
 def _layouts_section(plan: Plan, max_rows: int = 80) -> str:
-    n_axes = len(plan.mesh.axes)
-    head = "".join(f"<th>{_e(a)}</th>" for a in plan.mesh.axes)
+    axes = plan.mesh.axes[1:] if plan.pipeline is not None else plan.mesh.axes  # a pipeline's: the stage mesh
+    n_axes = len(axes)
+    head = "".join(f"<th>{_e(a)}</th>" for a in axes)
     body = []
-    rows = _block_rows(plan)
+    rows = block_rows(plan)
     for name, op, strategy in rows[:max_rows]:
         if op == "param":
             layout, _, zero = strategy.partition(" +")
@@ -289,37 +311,62 @@ def _facts(plan: Plan) -> str:
     gap = "n/a" if s.gap != s.gap else f"{s.gap * 100:.2f}%"
     comm = sorted(plan.comm_bytes.items())
     cards = [
-        _card("predicted step time", _ms(plan.step_seconds),
-              [("compute", _ms(plan.compute_seconds)), ("communication", _ms(plan.comm_seconds)),
-               ("pipeline bubble", _ms(0.0))]),
-        _card("peak memory / device", _gib(plan.peak_memory_bytes_per_device),
-              [("params+grads+optimizer", _gib(plan.param_state_bytes)), ("activations", _gib(plan.activation_bytes)),
-               ("budget", _gib(plan.memory_budget_bytes))]),
+        _card("predicted step time", ms(plan.step_seconds),
+              [("compute", ms(plan.compute_seconds)), ("communication", ms(plan.comm_seconds)),
+               ("pipeline bubble", ms(plan.pipeline.bubble_seconds if plan.pipeline else 0.0)
+                + (f" ({bubble_share(plan) * 100:.1f}% of the step)" if plan.pipeline else ""))]),
+        _card("peak memory / device", gib(plan.peak_memory_bytes_per_device),
+              [("params+grads+optimizer", gib(plan.param_state_bytes)), ("activations", gib(plan.activation_bytes)),
+               ("budget", gib(plan.memory_budget_bytes))]),
         _card("bytes sent / device", f"{sum(plan.comm_bytes.values()) / 2**20:,.1f} MiB",
               [(k, f"{v / 2**20:,.1f} MiB") for k, v in comm] or [("collectives", "none")]),
         _card("solver", f"{s.name} {s.status}",
               [("solve time", f"{s.seconds:.2f} s"), ("variables", f"{s.n_variables:,}"),
-               ("constraints", f"{s.n_constraints:,}"), ("objective", _ms(s.objective)),
-               ("lower bound", _ms(s.lower_bound)), ("gap", gap), ("ILPs solved", str(s.ilps_solved)),
+               ("constraints", f"{s.n_constraints:,}"), ("objective", ms(s.objective)),
+               ("lower bound", ms(s.lower_bound)), ("gap", gap), ("ILPs solved", str(s.ilps_solved)),
                ("whole plan", f"{s.plan_seconds:.1f} s")]),
     ]
     search = f"<p class='note'>mesh search: {_e(s.mesh_search)}</p>" if s.mesh_search else ""
-    return f"<div class='cards'>{''.join(cards)}</div>{search}"
+    return f"<div class='cards'>{''.join(cards)}</div>{search}{_stages_table(plan)}"
+
+
+def _stages_table(plan: Plan) -> str:
+    """A pipelined plan's stages: what each runs, and its stage plan's figures."""
+    rows = stage_rows(plan)
+    if not rows:
+        return ""
+    info = plan.pipeline
+    body = "".join(
+        f"<tr><td class='num'>{r['index']}</td><td>{_e(r['blocks'])}</td><td>{_e(r['extras'] or '-')}</td>"
+        f"<td class='num'>{_e(ms(r['seconds']))}</td><td class='num'>{_e(ms(r['comm_seconds']))}</td>"
+        f"<td class='num'>{sum(r['bytes'].values()) / 2**20:,.2f} MiB</td>"
+        f"<td class='mono'>{_e(', '.join(f'{k} {v / 2**20:,.2f}' for k, v in sorted(r['bytes'].items())) or '-')}</td>"
+        f"<td class='num'>{_e(gib(r['memory']))}</td><td class='num'>{r['variables']:,}</td>"
+        f"<td class='num'>{r['constraints']:,}</td><td>{_e(r['status'])}</td><td class='mono'>{_e(r['tied'] or '-')}</td>"
+        f"</tr>" for r in rows)
+    return (f"<h2>Pipeline stages</h2><p class='note'>{info.n_stages} stages on mesh {_e(info.stage_mesh)}, schedule "
+            f"{_e(info.schedule)}, {info.n_microbatches} micro-batches; bubble {_e(ms(info.bubble_seconds))} = "
+            f"{bubble_share(plan) * 100:.1f}% of the step. Communication and bytes are per step per device "
+            f"(its stage plans' collectives, sends between stages, tied-weight all-reduces).</p>"
+            f"<table id='stage-table'><tr><th class='num'>stage</th><th>blocks</th><th>also</th>"
+            f"<th class='num'>time / micro-batch</th><th class='num'>comm / step</th><th class='num'>sent / step</th>"
+            f"<th>by kind (MiB)</th><th class='num'>peak memory</th><th class='num'>ILP variables</th>"
+            f"<th class='num'>constraints</th><th>status</th><th>tied weights</th></tr>{body}</table>")
 
 
 def _baseline_table(plan: Plan) -> str:
     if not plan.baselines:
         return "<p class='note'>Baselines were not priced (--no-baselines).</p>"
     rows = [f"<tr><td><b>autopar</b></td><td class='mono'>{_e(plan.mesh)}</td>"
-            f"<td class='num'>{_e(_ms(plan.step_seconds))}</td>"
-            f"<td class='num'>{_e(_gib(plan.peak_memory_bytes_per_device))}</td><td>1.00x</td></tr>"]
+            f"<td class='num'>{_e(ms(plan.step_seconds))}</td>"
+            f"<td class='num'>{_e(gib(plan.peak_memory_bytes_per_device))}</td><td>1.00x</td></tr>"]
     for b in plan.baselines:
         if math.isfinite(b.step_seconds):
             vs = f"{b.step_seconds / plan.step_seconds:.2f}x" + ("" if b.feasible else " (does not fit)")
         else:
             vs = "no plan"
         rows.append(f"<tr><td>{_e(b.name)}</td><td class='mono'>{_e(b.mesh)}</td><td class='num'>"
-                    f"{_e(_ms(b.step_seconds))}</td><td class='num'>{_e(_gib(b.peak_memory_bytes_per_device))}</td>"
+                    f"{_e(ms(b.step_seconds))}</td><td class='num'>{_e(gib(b.peak_memory_bytes_per_device))}</td>"
                     f"<td>{_e(vs)}</td></tr>")
     return ("<table id='baseline-table'><tr><th>method</th><th>mesh</th><th class='num'>step</th>"
             f"<th class='num'>peak memory</th><th>step vs autopar</th></tr>{''.join(rows)}</table>")

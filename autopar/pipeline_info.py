@@ -1,11 +1,74 @@
-"""The pipeline part of a Plan: stages (layers, sub-mesh, predicted time and memory), schedule, bubble."""
+"""The pipeline part of a Plan: stages (layers, sub-mesh, predicted time and memory), schedule,
+bubble, the bytes each model chunk sends, and the weights tied across stages (kept in sync by
+one all-reduce of their gradient per step between the stages that hold them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
-__all__ = ["PipelineStageInfo", "PipelineInfo"]
+import torch
+
+from .errors import AutoparError
+
+__all__ = ["PipelineStageInfo", "PipelineInfo", "TiedSync", "ChunkComm", "microbatch_inputs"]
+
+
+def microbatch_inputs(inputs: Sequence[Any], m: int) -> tuple[Any, ...]:
+    """The first of ``m`` equal micro-batches of ``inputs`` (cut along dim 0)."""
+    out = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            if x.dim() == 0 or x.shape[0] % m:
+                raise AutoparError(f"an input of shape {tuple(x.shape)} cannot be cut into {m} equal micro-batches "
+                                   f"along dim 0; pick n_microbatches dividing the batch size")
+            x = x[: x.shape[0] // m]
+        out.append(x)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class TiedSync:
+    """A weight used by several stages (an embedding tied to the head): each holding stage keeps
+    a copy; once per step its gradient is all-reduced between the pp positions holding it."""
+
+    target: str  # the weight's name in the traced graph, e.g. "wte.weight"
+    stages: tuple[int, ...]  # model chunks that use it
+    positions: tuple[int, ...]  # their positions on the pp axis (the all-reduce's ranks)
+    nbytes: float  # the gradient each rank holds (its shard under the stage plans' layout)
+    bytes_per_rank: float  # sent per step by each holding rank (ring all-reduce)
+    seconds: float  # priced on the pp link
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "stages": list(self.stages), "positions": list(self.positions),
+                "nbytes": self.nbytes, "bytes_per_rank": self.bytes_per_rank, "seconds": self.seconds}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TiedSync":
+        return cls(d["target"], tuple(int(x) for x in d["stages"]), tuple(int(x) for x in d["positions"]),
+                   float(d["nbytes"]), float(d["bytes_per_rank"]), float(d["seconds"]))
+
+
+@dataclass(frozen=True)
+class ChunkComm:
+    """What one model chunk (stage) sends, per rank, from its stage plan and its boundary."""
+
+    per_microbatch: dict[str, float] = field(default_factory=dict)  # its collectives, one micro-batch
+    per_step: dict[str, float] = field(default_factory=dict)  # parameter gradient syncs run once per step
+    send_bytes: float = 0.0  # activations handed to the next stage, one micro-batch
+    send_grad_bytes: float = 0.0  # gradients of its inputs sent back, one micro-batch
+    comm_seconds: float = 0.0  # its collectives for one micro-batch (the stage plan's)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"per_microbatch": dict(self.per_microbatch), "per_step": dict(self.per_step),
+                "send_bytes": self.send_bytes, "send_grad_bytes": self.send_grad_bytes,
+                "comm_seconds": self.comm_seconds}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ChunkComm":
+        return cls({k: float(v) for k, v in d["per_microbatch"].items()},
+                   {k: float(v) for k, v in d["per_step"].items()}, float(d["send_bytes"]),
+                   float(d["send_grad_bytes"]), float(d.get("comm_seconds", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -37,6 +100,32 @@ class PipelineInfo:
     p2p_bytes_per_step: float  # sent by one device on the busiest stage boundary
     stages: tuple[PipelineStageInfo, ...]  # per device position on the pp axis
     recompute: bool = False  # every block's activations recomputed (its input kept only)
+    tied: tuple[TiedSync, ...] = ()  # weights tied across stages, synced once per step
+    chunks: tuple[ChunkComm, ...] = ()  # per model chunk, in model order (from the stage plans)
+
+    def predicted_bytes(self, position: int) -> dict[str, float]:
+        """Bytes one rank at ``position`` on the pp axis sends per step, per kind (its chunks'
+        collectives once per micro-batch, their parameter syncs once per step, the sends between
+        stages, the tied-weight all-reduces, and the loss broadcast along the pipeline)."""
+        m, p = self.n_microbatches, self.n_stages
+        out: dict[str, float] = {}
+
+        def add(kind: str, b: float) -> None:
+            if b:
+                out[kind] = out.get(kind, 0.0) + b
+
+        for s in range(position, p * self.virtual_stages, p):
+            c = self.chunks[s]
+            for k, b in c.per_microbatch.items():
+                add(k, m * b)
+            for k, b in c.per_step.items():
+                add(k, b)
+            add("p2p", m * (c.send_bytes + c.send_grad_bytes))
+        for t in self.tied:
+            if position in t.positions:
+                add("all_reduce", t.bytes_per_rank)
+        add("broadcast", 4.0 if p > 1 else 0.0)  # the fp32 loss, from the last stage's rank
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"n_stages": self.n_stages, "schedule": self.schedule, "n_microbatches": self.n_microbatches,
@@ -47,7 +136,8 @@ class PipelineInfo:
                 "stages": [{"index": s.index, "first_block": s.first_block, "n_blocks": s.n_blocks,
                             "extras": s.extras, "seconds_per_microbatch": s.seconds_per_microbatch,
                             "peak_memory_bytes": s.peak_memory_bytes} for s in self.stages],
-                "recompute": self.recompute}
+                "recompute": self.recompute, "tied": [x.to_dict() for x in self.tied],
+                "chunks": [c.to_dict() for c in self.chunks]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "PipelineInfo":
@@ -56,4 +146,6 @@ class PipelineInfo:
                    float(d["bubble_fraction"]), float(d["bubble_seconds"]), float(d["p2p_bytes_per_step"]),
                    tuple(PipelineStageInfo(int(s["index"]), int(s["first_block"]), int(s["n_blocks"]), s["extras"],
                                            float(s["seconds_per_microbatch"]), float(s["peak_memory_bytes"]))
-                         for s in d["stages"]), bool(d.get("recompute", False)))
+                         for s in d["stages"]), bool(d.get("recompute", False)),
+                   tuple(TiedSync.from_dict(x) for x in d.get("tied", ())),
+                   tuple(ChunkComm.from_dict(c) for c in d.get("chunks", ())))

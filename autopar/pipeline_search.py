@@ -18,6 +18,12 @@ and torchtitan run them). Simplifications: the layouts inside a stage are those 
 fastest for the whole batch with no memory limit (memory is then checked per stage under the
 budget); kernel-time floors are scaled with the batch.
 
+The chosen pipeline's stages are then planned for one micro-batch each (``pipeline_stages``):
+the Plan carries those stage plans, their bytes and the weights tied across stages, and the
+runtime runs exactly them. The planner is handed in as ``plan_fn`` (this module never imports
+``autopar.planner``, which imports it). A weight tied across stages is priced here as one
+all-reduce of its whole gradient between the first and last stage per step.
+
 The runtime (``runtime.pipeline``) matches this for parameters with a single use that are
 stored whole on the synced axis (nearly all weights under DP and Megatron layouts); a parameter
 used twice (tied weights inside a stage), a ZeRO-3 shard and a ZeRO-2 piece are synchronized per
@@ -28,25 +34,30 @@ their layouts rarely shard parameters).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.fx as fx
 
 from autopar.cost_model.hardware import Hardware
-from autopar.cost_model.pipeline import StageCost, activations_in_flight, pipeline_cost
+from autopar.cost_model.pipeline import StageCost, activations_in_flight, pipeline_cost, tied_sync_cost
 from autopar.cost_model.problem import build_problem
 from autopar.cost_model.recompute import recompute_effect, recompute_transient_bytes, recomputed_keys
-from autopar.cost_model.comm import collective_s
+from autopar.cost_model.comm import collective_s, p2p_s
 from autopar.cost_model.costs import TrainingSpec
 from autopar.cost_model.evaluate import shared_reshards
 from autopar.cost_model.fsdp_pricing import fsdp_fusions
 from autopar.mesh import Link, MeshSpec
+from autopar.passes.split_stages import block_container, block_count, split_stages
+from autopar.trace import graph_fingerprint
 
 from .errors import AutoparError
 from .pipeline_info import PipelineInfo, PipelineStageInfo
-from .plan import Plan
+from .pipeline_stages import plan_stages
+from .plan import Plan, SolverStats
 
 __all__ = ["PipelineChoice", "search_pipeline", "pipeline_plan"]
 
@@ -140,16 +151,15 @@ class _SubMesh:
     nodes: tuple  # NodePlans of the three pieces (the layouts inside a stage)
     block_rc: _Part | None = None  # one block recomputed: keeps its input only (cost_model/recompute.py)
     transient_bytes: float = 0.0  # one recomputed block's activations, alive during its backward
+    tied_bytes: float = 0.0  # gradients of weights tied between the first and last piece
 
 
 def _price_submesh(pieces, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: TrainingSpec,
-                   time_limit_s: float, batch: int) -> _SubMesh | None:
-    from .planner import plan as make_plan
-
+                   time_limit_s: float, batch: int, make_plan: Callable[..., Plan]) -> _SubMesh | None:
     try:
         plans = [make_plan(g, mesh.n_devices, mesh=mesh, hardware=hw, baselines=False, memory_budget_bytes=1e30,
                            optimizer=train.optimizer, mixed_precision=train.mixed_precision,
-                           time_limit_s=time_limit_s, model_name="stage") for g in pieces]
+                           time_limit_s=time_limit_s, model_name="stage", pipeline=False) for g in pieces]
     except AutoparError:  # the batch does not divide on this mesh, or the like
         return None
     first, middle, last = (_split_costs(p.problem, p.choice) for p in plans)
@@ -163,7 +173,13 @@ def _price_submesh(pieces, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: T
         transient = recompute_transient_bytes(rc_problem, rc_choice)
         rc_part = _split_costs(rc_problem, rc_choice)
         block_rc = (rc_part - _Part(act_bytes=transient)).scale(1.0 / (n_blocks - 2))
-    return _SubMesh(mesh, first - block, block, last - block, send, grad, batch, nodes, block_rc, transient)
+    tied = sum(_weight_bytes(pieces[0], target) for target, stages in pieces.tied.items() if 2 in stages)
+    return _SubMesh(mesh, first - block, block, last - block, send, grad, batch, nodes, block_rc, transient, tied)
+
+
+def _weight_bytes(gm: fx.GraphModule, target: str) -> float:
+    val = next(n for n in gm.graph.nodes if n.op == "get_attr" and str(n.target) == target).meta["val"]
+    return float(val.numel() * val.element_size())
 
 
 @dataclass(frozen=True)
@@ -251,6 +267,7 @@ def _compose(sub: _SubMesh, counts: tuple[int, ...], p: int, m: int, v: int, sch
     pc = pipeline_cost(costs, schedule, m, link, v)
     # once per step, after the pipeline drains: optimizer and parameter gradient syncs
     after = max(sum(parts[k + j * p].step_seconds for j in range(v)) for k in range(p))
+    after += tied_sync_cost(sub.tied_bytes, 2 if p > 1 else 1, link)[1]  # tied weights: first <-> last stage
     if pc.peak_memory_bytes > budget:
         return None
     starts = [sum(counts[:s]) for s in range(n_chunks)]
@@ -280,14 +297,12 @@ def _sub_meshes(n_sub: int, hw: Hardware) -> list[MeshSpec]:
 
 
 def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: TrainingSpec, budget: float, *,
-                    pp: int | None = None, stage_mesh: MeshSpec | None = None, time_limit_s: float = 10.0,
-                    progress=None) -> PipelineChoice | None:
+                    plan_fn: Callable[..., Plan], pp: int | None = None, stage_mesh: MeshSpec | None = None,
+                    time_limit_s: float = 10.0, progress=None) -> PipelineChoice | None:
     """The fastest pipeline that fits (see module doc), or None when none does or the model
     has fewer than 3 repeated blocks. ``pp`` / ``stage_mesh`` pin the stage count / sub-mesh."""
-    from autopar.passes.split_stages import _container, split_stages
-
     try:
-        prefix, indices = _container(gm)
+        prefix, indices = block_container(gm)
     except AutoparError:
         return None
     n_blocks = len(indices)
@@ -296,14 +311,14 @@ def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: Traini
     batch = _global_batch(gm)
     try:
         pieces = split_stages(gm, (1, n_blocks - 2, 1))
-    except AutoparError:  # a model the stage cut cannot run (weights tied across stages): no pipeline
+    except AutoparError:  # a model the stage cut cannot run: no pipeline
         return None
     pps = [pp] if pp else [d for d in range(2, n_blocks + 1) if n_gpus % d == 0 and n_gpus // d >= 1]
     best: PipelineChoice | None = None
     for p in pps:
         subs = [stage_mesh] if stage_mesh is not None else _sub_meshes(n_gpus // p, hw)
         for mesh in subs:
-            sub = _price_submesh(pieces, mesh, n_blocks, hw, train, time_limit_s, batch)
+            sub = _price_submesh(pieces, mesh, n_blocks, hw, train, time_limit_s, batch, plan_fn)
             if sub is None:
                 continue
             rcs = {"none": (False,), "full": (True,), "auto": (False, True)}[train.recompute]
@@ -347,33 +362,54 @@ def _microbatch_counts(batch: int, p: int, mesh: MeshSpec) -> list[int]:
 
 
 def pipeline_plan(choice: PipelineChoice, gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: TrainingSpec,
-                  budget: float, strategy: str, model_name: str, baselines: tuple = (), seconds: float = 0.0,
+                  budget: float, strategy: str, model_name: str, plan_fn: Callable[..., Plan],
+                  micro_graph: Callable[[int], fx.GraphModule] | None, baselines: tuple = (), seconds: float = 0.0,
                   note: str = "") -> Plan:
-    """A Plan whose mesh is pp x the stage mesh, with the pipeline's predictions and stages;
-    its nodes carry the layouts inside a stage (the three priced pieces, for the whole batch).
-    ``compute_seconds`` is the pipeline's busy time (stage work, its collectives and sends
-    included) and ``comm_seconds`` 0: the split of stage time is not kept per stage."""
-    from .plan import SolverStats
-    from .trace import graph_fingerprint
-
-    sub = choice.sub
-    mesh = MeshSpec(("pp", *sub.mesh.axes), (choice.info.n_stages, *sub.mesh.sizes), (choice.pp_link, *sub.mesh.links))
-    stats = SolverStats("pipeline search + HiGHS per stage piece", "Optimal", seconds, choice.step_seconds,
-                        float("nan"), 0, 0, 0, seconds, note)
+    """A Plan whose mesh is pp x the stage mesh, with the pipeline's predictions, stages and
+    stage plans (``pipeline_stages``; planned on ``micro_graph(m)``, the model traced for one
+    micro-batch: without it, as when ``plan`` is given a traced graph, the plan has no stage
+    plans and cannot run). Its nodes carry the layouts of the three priced pieces (whole batch).
+    ``comm_seconds``/``comm_bytes`` are those of the device that sends the most: its chunks'
+    collectives, the sends between stages and the tied-weight all-reduces. Raises
+    AutoparError when the stages cannot be built (callers skip the candidate)."""
+    sub, info = choice.sub, choice.info
+    p, m = info.n_stages, info.n_microbatches
+    mesh = MeshSpec(("pp", *sub.mesh.axes), (p, *sub.mesh.sizes), (choice.pp_link, *sub.mesh.links))
+    stage_plans: tuple = ()
+    comm_s, comm_bytes = 0.0, {}
+    if micro_graph is not None:
+        options = dict(hardware=hw, optimizer=train.optimizer, mixed_precision=train.mixed_precision,
+                       memory_budget_bytes=budget, recompute="full" if info.recompute else "none")
+        stage_plans = plan_stages(micro_graph(m), info.stage_blocks, sub.mesh, p, choice.pp_link, plan_fn, options,
+                                  model_name)
+        info = dataclasses.replace(info, tied=stage_plans.tied, chunks=stage_plans.chunks)
+        for k in range(p):
+            chunks = stage_plans.chunks[k::p]
+            s = sum(m * (c.comm_seconds + p2p_s(c.send_bytes, choice.pp_link) + p2p_s(c.send_grad_bytes,
+                                                                                      choice.pp_link))
+                    for c in chunks) + sum(t.seconds for t in info.tied if k in t.positions)
+            sent = info.predicted_bytes(k)
+            if sum(sent.values()) >= sum(comm_bytes.values()):
+                comm_s, comm_bytes = max(comm_s, s), sent
+    else:
+        note = (note + "; " if note else "") + "no stage plans (plan() was given a traced graph: plan the model)"
+    stats = SolverStats("pipeline search + HiGHS per stage", "Optimal", seconds, choice.step_seconds, float("nan"),
+                        sum(s.solver.n_variables for s in stage_plans), sum(s.solver.n_constraints for s in stage_plans),
+                        sum(s.solver.ilps_solved for s in stage_plans), seconds, note)
+    busy = choice.step_seconds - info.bubble_seconds
     return Plan(model=model_name, n_devices=n_gpus, mesh=mesh, hardware=hw.name, strategy=strategy,
                 optimizer=train.optimizer, mixed_precision=train.mixed_precision, memory_budget_bytes=budget,
-                step_seconds=choice.step_seconds, compute_seconds=choice.step_seconds - choice.info.bubble_seconds,
-                comm_seconds=0.0, param_state_bytes=choice.param_bytes, activation_bytes=choice.activation_bytes,
-                comm_bytes={}, solver=stats, baselines=tuple(baselines), nodes=sub.nodes,
-                graph_fingerprint=graph_fingerprint(gm), pipeline=choice.info,
-                recompute=(choice.info.block_prefix,) if choice.info.recompute else ())
+                step_seconds=choice.step_seconds, compute_seconds=max(busy - comm_s, 0.0), comm_seconds=comm_s,
+                param_state_bytes=choice.param_bytes, activation_bytes=choice.activation_bytes,
+                comm_bytes=comm_bytes, solver=stats, baselines=tuple(baselines), nodes=sub.nodes,
+                graph_fingerprint=graph_fingerprint(gm), pipeline=info,
+                recompute=(info.block_prefix,) if info.recompute else (), stage_plans=tuple(stage_plans))
 
 
 def pinned_pipeline_plan(gm: fx.GraphModule, n_gpus: int, mesh: str | MeshSpec | None, hw: Hardware,
-                         train: TrainingSpec, budget: float, model_name: str, t0: float, progress=None) -> Plan:
+                         train: TrainingSpec, budget: float, model_name: str, t0: float, plan_fn: Callable[..., Plan],
+                         micro_graph: Callable[[int], fx.GraphModule] | None, progress=None) -> Plan:
     """``strategy="pp"`` or a mesh with a ``pp`` axis: the best pipeline under that pin."""
-    import time
-
     pp = stage_mesh = None
     if mesh is not None:
         spec = MeshSpec.parse(mesh, n_gpus) if isinstance(mesh, str) else mesh
@@ -386,36 +422,38 @@ def pinned_pipeline_plan(gm: fx.GraphModule, n_gpus: int, mesh: str | MeshSpec |
             rest = spec.axes[1:]
             if rest:
                 stage_mesh = hw.mesh_spec(rest, spec.sizes[1:])
-    choice = search_pipeline(gm, n_gpus, hw, train, budget, pp=pp, stage_mesh=stage_mesh, progress=progress)
+    choice = search_pipeline(gm, n_gpus, hw, train, budget, plan_fn=plan_fn, pp=pp, stage_mesh=stage_mesh,
+                             progress=progress)
     if choice is None:
-        from .passes.split_stages import block_count
-
-        try:
-            blocks = block_count(gm)
-        except AutoparError:
-            raise
+        blocks = block_count(gm)
         raise AutoparError(f"no pipeline fits {n_gpus} devices with budget {budget / 2**30:.1f} GiB per device "
                            f"(the model has {blocks} repeated blocks; a pipeline needs at least 3 and pp <= blocks"
                            + (f"; pinned pp={pp}" if pp else "") + "); raise the memory budget, change the pin, "
                            "or use strategy='auto'")
-    return pipeline_plan(choice, gm, n_gpus, hw, train, budget, "pp", model_name,
+    return pipeline_plan(choice, gm, n_gpus, hw, train, budget, "pp", model_name, plan_fn, micro_graph,
                          seconds=time.perf_counter() - t0, note="pipeline pinned by strategy='pp' or a pp= mesh axis")
 
 
 def pipeline_if_faster(gm: fx.GraphModule, best: Plan | None, n_gpus: int, hw: Hardware, train: TrainingSpec,
-                       budget: float, model_name: str, t0: float, baselines: tuple = (), progress=None) -> Plan | None:
+                       budget: float, model_name: str, t0: float, plan_fn: Callable[..., Plan],
+                       micro_graph: Callable[[int], fx.GraphModule] | None, baselines: tuple = (),
+                       progress=None) -> Plan | None:
     """``strategy="auto"``: the pipeline plan if one is predicted faster than ``best`` (or
-    ``best`` is None: nothing fits without stages), else ``best``."""
-    import time
-
+    ``best`` is None: nothing fits without stages), else ``best``. A pipeline whose stages
+    cannot be built is skipped (``best`` is returned), never an error of the whole plan."""
     if best is not None and _global_batch(gm) < 4:
         # fewer than 2 micro-batches per stage of even a 2-stage pipeline: half the devices
         # would idle, so with a plan that fits the search is skipped (it costs seconds at scale)
         return best
-    choice = search_pipeline(gm, n_gpus, hw, train, budget, progress=progress)
+    choice = search_pipeline(gm, n_gpus, hw, train, budget, plan_fn=plan_fn, progress=progress)
     if choice is None or (best is not None and choice.step_seconds >= best.step_seconds):
         return best
     note = ("pipeline stages win: " + (f"{choice.step_seconds * 1e3:,.1f} ms vs {best.step_seconds * 1e3:,.1f} ms "
                                        f"without" if best is not None else "nothing fits without them"))
-    return pipeline_plan(choice, gm, n_gpus, hw, train, budget, "auto", model_name, baselines,
-                         seconds=time.perf_counter() - t0, note=note)
+    try:
+        return pipeline_plan(choice, gm, n_gpus, hw, train, budget, "auto", model_name, plan_fn, micro_graph,
+                             baselines, seconds=time.perf_counter() - t0, note=note)
+    except AutoparError as exc:  # the stages cannot be built: skip the candidate
+        if progress:
+            progress(f"pipeline skipped: {exc}")
+        return best

@@ -95,6 +95,9 @@ class Plan:
     recompute: tuple[str, ...] = ()
     # ZeRO-Offload (cost_model/offload.py): optimizer state per device kept in host memory
     host_bytes: float = 0.0
+    # A pipelined plan: each model chunk's own plan (one micro-batch on the stage mesh, its
+    # graph a piece cut by passes/split_stages), in model order; runtime/pipeline.py runs them.
+    stage_plans: tuple["Plan", ...] = ()
     # The priced problem (cost_model.problem.Problem) and the chosen strategy index per
     # decision, kept in memory for explain() and the report; not serialized (None once read back).
     problem: Any = field(default=None, repr=False, compare=False)
@@ -149,6 +152,7 @@ class Plan:
             "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
             "recompute": list(self.recompute),
             "host_bytes_per_device": self.host_bytes,
+            "stage_plans": [p.to_dict() for p in self.stage_plans],
         }
 
     def to_json(self, path: str | None = None, indent: int = 1) -> str:
@@ -221,6 +225,7 @@ class Plan:
             recompute=tuple(str(x) for x in d.get("recompute", ())),
             host_bytes=float(d.get("host_bytes_per_device", 0.0)),
             pipeline=PipelineInfo.from_dict(d["pipeline"]) if d.get("pipeline") else None,
+            stage_plans=tuple(cls._from_dict(p) for p in d.get("stage_plans", ())),
         )
 
     # --- explain and diff ----------------------------------------------------------------

@@ -37,6 +37,9 @@ from .errors import AutoparError, format_bytes
 from .plan_arguments import check_plan_arguments
 from .mesh import MeshSpec
 from .passes.annotate import annotate
+from .passes.rules import tensor_leaves
+from .pipeline_info import microbatch_inputs
+from .pipeline_search import pinned_pipeline_plan, pipeline_if_faster
 from .plan import BaselineResult, NodePlan, Plan, SolverStats
 from . import technique as families
 from .techniques import catalog  # noqa: F401 (imports every technique file, so each registers)
@@ -245,12 +248,13 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     gm = model if isinstance(model, fx.GraphModule) else trace(model, example_inputs, example_kwargs,
                                                                  stack_traces=False)
     _progress(progress, f"traced {len(gm.graph.nodes)} nodes")
+    # pipeline stage plans are made for one micro-batch: the model traced again at that size
+    micro_graph = None if isinstance(model, fx.GraphModule) or example_kwargs else (
+        lambda m: trace(model, microbatch_inputs(example_inputs, m), stack_traces=False))
     if strategy == "pp" or (mesh is not None and "pp" in (mesh.axes if isinstance(mesh, MeshSpec) else
                                                          MeshSpec.parse(mesh, n_gpus).axes)):
-        from .pipeline_search import pinned_pipeline_plan  # stages, micro-batches, schedule: pipeline_search
-
         return pinned_pipeline_plan(gm, n_gpus, mesh, hw, train, budget, model_name or type(model).__name__, t0,
-                                    (lambda m: _progress(progress, m)))
+                                    plan, micro_graph, (lambda m: _progress(progress, m)))
 
     if mesh is not None:
         spec = MeshSpec.parse(mesh, n_gpus) if isinstance(mesh, str) else mesh
@@ -275,10 +279,8 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
             helper.close()
         if strategy != "auto" or mesh is not None or n_gpus == 1 or not pipeline:
             raise
-        from .pipeline_search import pipeline_if_faster  # pipeline stages may fit where nothing else does
-
         pipelined = pipeline_if_faster(gm, None, n_gpus, hw, train, budget, model_name or type(model).__name__, t0,
-                                       progress=lambda m: _progress(progress, m))
+                                       plan, micro_graph, progress=lambda m: _progress(progress, m))
         if pipelined is None:
             raise
         return pipelined
@@ -304,9 +306,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     result = _to_plan(gm, best, hw, train, budget, strategy, baseline_results, n_gpus,
                       model_name or type(model).__name__, n_solved, time.perf_counter() - t0, search_note)
     if strategy == "auto" and mesh is None and n_gpus > 1 and pipeline:
-        from .pipeline_search import pipeline_if_faster  # stages, micro-batches, schedule: pipeline_search
-
-        result = pipeline_if_faster(gm, result, n_gpus, hw, train, budget, result.model, t0,
+        result = pipeline_if_faster(gm, result, n_gpus, hw, train, budget, result.model, t0, plan, micro_graph,
                                     tuple(baseline_results), lambda m: _progress(progress, m))
     return result
 

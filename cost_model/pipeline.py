@@ -28,9 +28,12 @@ from dataclasses import dataclass
 
 from autopar.mesh import Link
 
-from .comm import p2p_s
+from .comm import bytes_sent_per_rank, collective_s, p2p_s
+from .fsdp_pricing import fsdp_fusions
+from .recompute import recomputed_keys
 
-__all__ = ["SCHEDULES", "bubble_fraction", "activations_in_flight", "StageCost", "PipelineCost", "pipeline_cost"]
+__all__ = ["SCHEDULES", "bubble_fraction", "activations_in_flight", "StageCost", "PipelineCost", "pipeline_cost",
+           "step_sync_bytes", "tied_sync_cost"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -116,3 +119,29 @@ def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v:
     ideal = m * t_max
     return PipelineCost(schedule, p, m, v, step, bubble_fraction(schedule, p, m, v), step - ideal,
                         tuple(dev_seconds), tuple(dev_memory), p2p)
+
+
+def step_sync_bytes(problem, choice: dict) -> dict[str, float]:
+    """Bytes one rank sends for a stage's parameter gradient all-reduces, which a pipeline runs
+    once per step after the schedule (runtime.pipeline defers them), not once per micro-batch:
+    the syncs ``evaluate`` counts, less ZeRO-2's reduce-scatters and ZeRO-3's fused ones (those
+    stay per micro-batch)."""
+    mesh = problem.mesh
+    fused, _ = fsdp_fusions(problem, choice, recomputed_keys(problem, choice))
+    total = 0.0
+    for g in problem.syncs:
+        if not g.param or g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
+            continue
+        count = g.active_count(choice)
+        if count and (g.tensor, g.axis, g.layout) not in fused:
+            total += bytes_sent_per_rank("all_reduce", g.nbytes, mesh.sizes[g.axis]) * count
+    return {"all_reduce": total} if total else {}
+
+
+def tied_sync_cost(nbytes: float, n_positions: int, link: Link) -> tuple[float, float]:
+    """(bytes each rank sends, seconds) of the once-per-step all-reduce of a tied weight's
+    gradient (``nbytes`` per rank) between the ``n_positions`` pp positions that hold it."""
+    if n_positions < 2:
+        return 0.0, 0.0
+    return (bytes_sent_per_rank("all_reduce", nbytes, n_positions),
+            collective_s("all_reduce", nbytes, n_positions, link))

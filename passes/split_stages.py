@@ -11,6 +11,11 @@ stage needs is threaded through the stages in between (the targets of a loss, a 
 skips a stage). ``torch.fx.passes.split_module`` hands each piece the values it uses from any
 earlier piece, which is not a chain; this pass writes the threading itself.
 
+A weight used by several stages (an embedding tied to the head, as GPT-2, OPT, BERT and T5
+do) goes into each of them: every holding stage keeps a copy, and ``StageGraphs.tied`` names
+the stages per weight, for the once-per-step all-reduce of its gradient between them
+(Megatron-LM and DeepSpeed keep the first and last stage's copies in sync the same way).
+
 Written to ``node.meta`` of each stage graph: ``node.meta["autopar_requires_grad"]``
 (:data:`REQUIRES_GRAD_KEY`) is ``True`` on a floating-point stage input that comes from an
 earlier stage, so the cost model and the lowering treat its gradient like an activation's
@@ -19,23 +24,25 @@ earlier stage, so the cost model and the lowering treat its gradient like an act
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 
-from autopar.cost_model.problem import _block_of
+from autopar.cost_model.blocks import block_of
 from autopar.errors import AutoparError
 
-__all__ = ["split_stages", "block_count", "even_stage_blocks", "REQUIRES_GRAD_KEY", "StageGraphs"]
+__all__ = ["split_stages", "block_count", "block_container", "even_stage_blocks", "REQUIRES_GRAD_KEY", "StageGraphs"]
 
 REQUIRES_GRAD_KEY = "autopar_requires_grad"
 
 
-def _container(gm: fx.GraphModule) -> tuple[str, list[int]]:
+def block_container(gm: fx.GraphModule) -> tuple[str, list[int]]:
     """The repeated-block container with the most blocks and its block indices."""
     seen: dict[str, set[int]] = {}
     for n in gm.graph.nodes:
         if n.op == "call_function":
-            b = _block_of(n)
+            b = block_of(n)
             if b is not None:
                 seen.setdefault(b[0], set()).add(b[1])
     if not seen:
@@ -48,7 +55,7 @@ def _container(gm: fx.GraphModule) -> tuple[str, list[int]]:
 
 def block_count(gm: fx.GraphModule) -> int:
     """How many repeated blocks a pipeline can be cut between."""
-    return len(_container(gm)[1])
+    return len(block_container(gm)[1])
 
 
 def even_stage_blocks(n_blocks: int, n_stages: int) -> tuple[int, ...]:
@@ -62,14 +69,16 @@ def even_stage_blocks(n_blocks: int, n_stages: int) -> tuple[int, ...]:
 
 class StageGraphs(list):
     """The stage GraphModules, in order; ``.inputs[k]`` / ``.outputs[k]`` name the values each
-    stage takes and returns (original node names)."""
+    stage takes and returns (original node names); ``.tied`` maps a weight used by several
+    stages (its target) to those stages."""
 
     inputs: list[list[str]]
     outputs: list[list[str]]
+    tied: dict[str, tuple[int, ...]]
 
 
-def _assign(gm: fx.GraphModule, stage_blocks: tuple[int, ...]) -> dict[str, int]:
-    prefix, indices = _container(gm)
+def _assign(gm: fx.GraphModule, stage_blocks: tuple[int, ...]) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
+    prefix, indices = block_container(gm)
     if sum(stage_blocks) != len(indices) or min(stage_blocks) < 1:
         raise AutoparError(f"stage_blocks {tuple(stage_blocks)} must be positive and add up to the model's "
                            f"{len(indices)} blocks (`{prefix}.*`)")
@@ -83,24 +92,42 @@ def _assign(gm: fx.GraphModule, stage_blocks: tuple[int, ...]) -> dict[str, int]
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr", "output"):
             continue
-        b = _block_of(n)
+        b = block_of(n)
         if b is not None and b[0] == prefix:
             current = max(current, stage_of_block[b[1]])  # stages only move forward
         stage[n.name] = current
-    for n in gm.graph.nodes:  # a weight joins the stage of its users; all must agree
+    holders: dict[str, tuple[int, ...]] = {}  # a weight joins the stages of its users
+    for n in gm.graph.nodes:
         if n.op == "get_attr":
-            used = {stage[u.name] for u in n.users if u.name in stage}
-            if len(used) > 1:
-                raise AutoparError(f"weight {n.target} is used by pipeline stages {sorted(used)} (tied weights "
-                                   f"across stages); untie it or pin one stage (pp=1)")
-            stage[n.name] = used.pop() if used else 0
-    return stage
+            used = sorted({stage[u.name] for u in n.users if u.name in stage}) or [0]
+            stage[n.name] = used[0]
+            holders[n.name] = tuple(used)
+    return stage, holders
+
+
+def _check_tied_names(gm: fx.GraphModule, nodes: list[fx.Node], holders: dict[str, tuple[int, ...]]) -> None:
+    """One tensor under several names (tied weights the trace kept apart): the stages that use it
+    must all use one of its names, which the runtime syncs; else refuse (the search skips it)."""
+    by_tensor: dict[int, dict[str, set[int]]] = {}
+    for n in nodes:
+        if n.op == "get_attr":
+            try:
+                tensor = functools.reduce(getattr, str(n.target).split("."), gm)
+            except AttributeError:
+                continue
+            by_tensor.setdefault(id(tensor), {}).setdefault(str(n.target), set()).update(holders[n.name])
+    for names in by_tensor.values():
+        stages = set().union(*names.values())
+        if len(stages) > 1 and not any(s == stages for s in names.values()):
+            raise AutoparError(f"weights {sorted(names)} are one tensor used by pipeline stages {sorted(stages)} under "
+                               f"different names; pipeline stages sync a tied weight under one name only. Tie them "
+                               f"to one module attribute, or plan without pipeline stages")
 
 
 def split_stages(gm: fx.GraphModule, stage_blocks: tuple[int, ...]) -> StageGraphs:
     """The stage graphs of ``gm`` (see module doc). Each keeps the original node names and
     ``meta`` (shapes, module stacks), so a plan for a stage names the same nodes."""
-    stage = _assign(gm, tuple(stage_blocks))
+    stage, holders = _assign(gm, tuple(stage_blocks))
     n_stages = len(stage_blocks)
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -123,6 +150,12 @@ def split_stages(gm: fx.GraphModule, stage_blocks: tuple[int, ...]) -> StageGrap
 
     out = StageGraphs()
     out.inputs, out.outputs = [], []
+    out.tied = {}
+    for n in nodes:
+        if n.op == "get_attr" and len(holders[n.name]) > 1:
+            target = str(n.target)
+            out.tied[target] = tuple(sorted(set(out.tied.get(target, ())) | set(holders[n.name])))
+    _check_tied_names(gm, nodes, holders)
     for k in range(n_stages):
         ins = [p.name for p in placeholders] if k == 0 else live_into(k)
         outs = live_into(k + 1) if k < n_stages - 1 else None
@@ -137,7 +170,7 @@ def split_stages(gm: fx.GraphModule, stage_blocks: tuple[int, ...]) -> StageGrap
                 p.meta[REQUIRES_GRAD_KEY] = True
             env[name] = p
         for n in nodes:
-            if n.op in ("get_attr", "call_function") and stage[n.name] == k:
+            if (n.op == "get_attr" and k in holders[n.name]) or (n.op == "call_function" and stage[n.name] == k):
                 env[n.name] = g.node_copy(n, lambda x: env[x.name])
         if outs is None:
             g.output(torch.fx.node.map_arg(out_node.args[0], lambda x: env[x.name]))

@@ -2,9 +2,11 @@
 
 The world is a mesh ``pp x (sub-mesh)``: ``pp`` outermost, so a stage's ranks are consecutive
 (inside a node when the sub-mesh fits one) and the pipeline crosses the outer links. Each stage
-is one piece of the traced graph (``passes.split_stages``, cut between repeated blocks), planned
-on the sub-mesh by the ordinary planner for one micro-batch and lowered by the ordinary
-lowering: tensor / data parallelism and ZeRO inside a stage are layouts, as without pipelining.
+is one piece of the traced graph (``passes.split_stages``, cut between repeated blocks), run
+as the Plan's stage plan says (``Plan.stage_plans``: each planned on the sub-mesh for one
+micro-batch when the plan was made, ``autopar.pipeline_stages``; this module never plans) and
+lowered by the ordinary lowering: tensor / data parallelism and ZeRO inside a stage are layouts,
+as without pipelining.
 A stage hands its successor whole tensors (the lowering makes outputs whole and cuts inputs), so
 rank r of stage k sends to rank r of stage k + 1, whatever layouts the two plans chose.
 
@@ -29,6 +31,11 @@ the gradient all-reduces of parameters with a single use (nearly all weights) an
 them once, after the schedule (gradients summed over micro-batches first: the same result, 1/m
 of the traffic). Syncs of parameters used twice still run per micro-batch. Known cost: the
 tensors handed between stages are whole, not cut as the sub-mesh holds them.
+
+Weights tied across stages (``PipelineInfo.tied``: an embedding tied to the head): every holding
+stage keeps a copy; after the schedule, each copy's gradient is summed over the stages that hold
+it by one all-reduce in a process group of the ranks at those pp positions (same place in the
+stage mesh), so the copies get equal gradients and stay equal under any optimizer.
 """
 
 from __future__ import annotations
@@ -43,22 +50,28 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autopar.errors import AutoparError, BadArgumentError
-from autopar.mesh import MeshSpec
+from autopar.cost_model.comm import bytes_sent_per_rank
+from autopar.errors import AutoparError
 from autopar.passes.lower import lower
-from autopar.passes.split_stages import block_count, even_stage_blocks, split_stages
+from autopar.passes.split_stages import split_stages
+from autopar.pipeline_info import TiedSync, microbatch_inputs
 from autopar.plan import Plan
 from autopar.strategy import Layout
 from autopar.trace import trace
 
 from . import collectives as C
-from .parallel_module import (ParallelModule, _coords, _match_strategies, _release_weights, _set_attr, _zero2_axes,
-                              local_shard, plan_followers)
+from .materialize import local_shard
+from .sharded_module import (ParallelModule, match_strategies, mesh_coords, plan_followers, release_weights, set_attr,
+                             zero2_axes)
 
-__all__ = ["parallelize_pipeline", "PipelineModule", "SCHEDULES", "saved_activation_bytes", "parallelize_plan_pipeline",
-           "parallelize_pipeline_options"]
+__all__ = ["PipelineModule", "SCHEDULES", "saved_activation_bytes", "parallelize_plan_pipeline", "check_schedule"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def check_schedule(name: str) -> None:
+    """Raise a clear error for a schedule name torch's pipelining does not have."""
+    _schedule_class(name)
 
 
 def _schedule_class(name: str):
@@ -83,8 +96,11 @@ class PipelineModule(nn.Module):
 
     def __init__(self, stages: list[ParallelModule], stage_ids: list[int], schedule, plans: list[Plan],
                  stage_blocks: tuple[int, ...], n_microbatches: int, schedule_name: str,
-                 pp_group, pp_ranks: list[int], device_mesh):
+                 pp_group, pp_ranks: list[int], device_mesh, tied: list[tuple[TiedSync, C.AxisGroup | None]],
+                 info=None, aliases: dict[str, tuple[str, ...]] | None = None):
         super().__init__()
+        self.info = info  # the plan's PipelineInfo (predicted bytes per pp position: info.predicted_bytes)
+        self.__dict__["_aliases"] = aliases or {}  # every name of a tied tensor in the user's model
         self.stages = nn.ModuleList(stages)
         self.stage_ids = stage_ids
         self.plans = plans
@@ -95,6 +111,7 @@ class PipelineModule(nn.Module):
         self.__dict__["_schedule"] = schedule
         self.__dict__["_pp_group"] = pp_group
         self._pp_ranks = pp_ranks  # global ranks of this rank's pipeline, stage order of the pp axis
+        self.__dict__["_tied"] = tied  # (weight tied across stages, its group here or None: one position)
 
     @property
     def n_stages(self) -> int:
@@ -111,6 +128,7 @@ class PipelineModule(nn.Module):
         target = torch.zeros(self.n_microbatches) if last else None
         self._schedule.step(*(inputs if first else ()), target=target, losses=losses, return_outputs=False)
         self._sync_deferred_grads()
+        self._sync_tied_grads()
         loss = torch.stack([x.detach() for x in losses]).mean() if last else torch.zeros(())
         # Every rank learns the loss from the rank that holds the last stage in its pipeline.
         dist.broadcast(loss, src=self._pp_ranks[-1], group=self._pp_group)
@@ -124,17 +142,30 @@ class PipelineModule(nn.Module):
                 for target, axis in stage.program.deferred_param_syncs:
                     p = stage.program.get_parameter(target)
                     if p.grad is not None:
-                        p.grad.copy_(C.sum_tensor(p.grad, stage._groups[axis]))
+                        p.grad.copy_(C.all_reduce(p.grad, False, stage.axis_group_of(axis)))
+
+    def _sync_tied_grads(self) -> None:
+        """Weights tied across stages: each copy's gradient becomes the sum over the stages that
+        hold it (this rank's copies summed here, the other positions' by one all-reduce)."""
+        with torch.no_grad():
+            for sync, group in self._tied:
+                copies = [stage.program.get_parameter(sync.target) for s, stage in zip(self.stage_ids, self.stages)
+                          if s in sync.stages]
+                if not copies:
+                    continue
+                total = sum(p.grad if p.grad is not None else torch.zeros_like(p) for p in copies)
+                if group is not None:
+                    total = C.all_reduce(total, False, group)
+                for p in copies:
+                    p.grad = total.clone()
 
     def deferred_sync_bytes(self) -> dict[str, float]:
         """Bytes this rank sends for the once-per-step gradient all-reduces (ring formula)."""
-        from autopar.cost_model.comm import bytes_sent_per_rank
-
         total = 0.0
         for stage in self.stages:
             for target, axis in stage.program.deferred_param_syncs:
                 p = stage.program.get_parameter(target)
-                total += bytes_sent_per_rank("all_reduce", p.numel() * p.element_size(), stage._groups[axis].size)
+                total += bytes_sent_per_rank("all_reduce", p.numel() * p.element_size(), stage.axis_group_of(axis).size)
         return {"all_reduce": total} if total else {}
 
     def forward(self, *args, **kwargs):
@@ -150,6 +181,10 @@ class PipelineModule(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for d in box:
             out.update(d)
+        for names in self._aliases.values():  # a tied tensor under each of its names, as the model has it
+            have = next((n for n in names if n in out), None)
+            if have is not None:
+                out.update({n: out[have] for n in names})
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -164,11 +199,11 @@ class PipelineModule(nn.Module):
 def _stage_module(gm: fx.GraphModule, plan: Plan, full: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                   dm_sub, groups: list[C.AxisGroup], coords: tuple[int, ...]) -> ParallelModule:
     """One stage's ParallelModule: its weights cut to this rank's shards, its lowered program.
-    (parallel_module._build does the same for a whole world; a stage's mesh is a sub-mesh and
+    (parallel_module's builder does the same for a whole world; a stage's mesh is a sub-mesh and
     its weights were broadcast once for the whole model, so this is its own short builder.)"""
-    strategies = _match_strategies(gm, plan)
+    strategies = match_strategies(gm, plan)
     mesh = plan.mesh
-    zero2 = _zero2_axes(plan, gm)
+    zero2 = zero2_axes(plan, gm)
     root = nn.Module()
     first_target: dict[int, str] = {}  # tied weights inside a stage: one local Parameter
     with torch.no_grad():
@@ -177,7 +212,7 @@ def _stage_module(gm: fx.GraphModule, plan: Plan, full: dict[str, torch.Tensor],
                 continue
             target = str(node.target)
             if target in full and id(full[target]) in first_target:
-                _set_attr(root, target, root.get_parameter(first_target[id(full[target])]), True)
+                set_attr(root, target, root.get_parameter(first_target[id(full[target])]), True)
                 continue
             if target in full:
                 first_target[id(full[target])] = target
@@ -189,34 +224,14 @@ def _stage_module(gm: fx.GraphModule, plan: Plan, full: dict[str, torch.Tensor],
             local = local_shard(tensor.detach().clone(), layout, coords, mesh.sizes)
             if node.name in zero2:
                 local = C.zero2_shard(local, [groups[a] for a in sorted(zero2[node.name])])
-            _set_attr(root, target, local, is_param)
+            set_attr(root, target, local, is_param)
     followers = set(plan_followers(plan))
     program = lower(gm, strategies, mesh, groups, root, followers, zero2, defer_param_syncs=True,
                     recompute=plan.recompute)
     relower = functools.partial(lower, gm, strategies, mesh, groups, root, followers, zero2, defer_param_syncs=True,
                                 recompute=plan.recompute)
-    _release_weights(gm)
+    release_weights(gm)
     return ParallelModule(program, plan, strategies, gm, dm_sub, coords, groups, relower)
-
-
-def _plan_stages(stage_gms, sub: MeshSpec, model_name: str, plan_options: dict) -> list[str]:
-    """Rank 0 plans every stage for one micro-batch on the sub-mesh; all ranks get the JSON."""
-    from autopar.planner import plan as make_plan
-
-    texts: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            texts = [[make_plan(g, sub.n_devices, mesh=sub if sub.ndim else None, baselines=False,
-                                model_name=f"{model_name}/stage{k}", **plan_options).to_json()
-                      for k, g in enumerate(stage_gms)]]
-        except Exception as exc:  # every rank must learn of it, or the others wait forever
-            texts = [f"{type(exc).__name__}: {exc}"]
-            dist.broadcast_object_list(texts, src=0)
-            raise
-    dist.broadcast_object_list(texts, src=0)
-    if isinstance(texts[0], str):
-        raise AutoparError(f"planning the pipeline stages on rank 0 failed: {texts[0]}")
-    return texts[0]
 
 
 def _rank0_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -234,6 +249,14 @@ def _rank0_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The names of each parameter the model holds under several (tied weights)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {v[0]: tuple(v) for v in names.values() if len(v) > 1}
+
+
 def _example_args(gm: fx.GraphModule, grad_in: bool, dev: torch.device) -> tuple[tuple, tuple]:
     """Stage inputs and outputs as empty tensors of their (micro-batch) shapes. Given both,
     PipelineStage skips its run-time shape inference, which would run the stage program (and
@@ -249,123 +272,75 @@ def _example_args(gm: fx.GraphModule, grad_in: bool, dev: torch.device) -> tuple
             tuple(empty(n, True) for n in outputs if isinstance(n, fx.Node)))
 
 
-def _microbatch(inputs: Sequence[Any], m: int) -> tuple[Any, ...]:
+def _tied_groups(tied: tuple[TiedSync, ...], n_sub: int, sub_rank: int) -> list[tuple[TiedSync, C.AxisGroup | None]]:
+    """One process group per tied weight and place in the stage mesh: the ranks at the pp
+    positions holding it (every rank creates every group, in one order, as new_group needs)."""
     out = []
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            if x.dim() == 0 or x.shape[0] % m:
-                raise AutoparError(f"an input of shape {tuple(x.shape)} cannot be cut into {m} equal micro-batches "
-                                   f"along dim 0; pick n_microbatches dividing the batch size")
-            x = x[: x.shape[0] // m]
-        out.append(x)
-    return tuple(out)
+    for sync in tied:
+        mine = None
+        for r in range(n_sub):
+            ranks = [pos * n_sub + r for pos in sync.positions]
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if r == sub_rank and group is not None and dist.get_rank() in ranks:
+                mine = C.AxisGroup(f"tied/{sync.target}", group, len(ranks), ranks.index(dist.get_rank()))
+        out.append((sync, mine))
+    return out
 
 
-def parallelize_pipeline(model: nn.Module, example_inputs: Sequence[Any], *, pp: int, n_microbatches: int,
-                         schedule: str = "1f1b", stage_mesh: str | MeshSpec | None = None,
-                         stage_blocks: Sequence[int] | None = None, virtual_stages: int = 1,
-                         device: str | None = None, **plan_options) -> PipelineModule:
-    """Pipeline ``model`` over ``pp`` stage groups of the world (see module doc).
-
-    ``example_inputs`` is one global batch. ``stage_mesh`` is the mesh inside a stage (e.g.
-    ``"dp=2,tp=2"``; default: one axis over world / pp ranks); ``stage_blocks`` the blocks per
-    stage (default: as even as they divide); ``virtual_stages`` > 1 (interleaved-1f1b) gives each
-    rank that many stages, round robin. ``plan_options`` go to the planner of each stage
-    (``strategy``, ``hardware``, ``memory_budget_bytes``, ...)."""
+def parallelize_plan_pipeline(model: nn.Module, example_inputs: Sequence[Any], plan: Plan,
+                              device: str | None = None) -> PipelineModule:
+    """Run a pipelined ``plan`` (its stages, stage plans, micro-batches and schedule; see
+    module doc). ``example_inputs`` is one global batch."""
     if not dist.is_initialized():
         raise AutoparError("pipeline parallelism needs torch.distributed: launch with torchrun")
+    info = plan.pipeline
     world = dist.get_world_size()
-    if pp < 1 or world % pp:
-        raise AutoparError(f"pp={pp} does not divide the world size {world}; pick pp among the divisors of {world}")
-    cls = _schedule_class(schedule)
-    v = int(virtual_stages)
-    if (v > 1) != (schedule == "interleaved-1f1b"):
-        raise AutoparError(f"schedule {schedule!r} with virtual_stages={v}: interleaved-1f1b needs virtual_stages >= 2 "
-                           f"and the others run one stage per rank")
-    n_sub = world // pp
-    sub = MeshSpec.parse(stage_mesh, n_sub) if isinstance(stage_mesh, str) else stage_mesh
-    if sub is None:
-        sub = MeshSpec.parse(f"dp={n_sub}", n_sub)
-    if sub.n_devices != n_sub:
-        raise AutoparError(f"stage mesh {sub} has {sub.n_devices} devices but world {world} / pp {pp} = {n_sub}; "
-                           f"pick a stage mesh of {n_sub} devices")
-    if "pp" in sub.axes:
-        raise AutoparError("the stage mesh cannot itself have a pp axis; give pp= separately")
-    full = _rank0_weights(model)
-    gm = trace(model, _microbatch(example_inputs, n_microbatches))
+    if info is None:
+        raise AutoparError("parallelize_plan_pipeline needs a plan with pipeline stages (plan.pipeline is None); "
+                           "use autopar.parallelize for plans without them")
+    if plan.n_devices != world:
+        raise AutoparError(f"the plan is for {plan.n_devices} devices but the world size is {world}; "
+                           f"re-plan with autopar.plan(model, {world}, ...) or launch {plan.n_devices} processes")
+    pp, v, m = info.n_stages, info.virtual_stages, info.n_microbatches
     n_stages = pp * v
-    blocks = tuple(stage_blocks) if stage_blocks is not None else even_stage_blocks(block_count(gm), n_stages)
-    if len(blocks) != n_stages:
-        raise AutoparError(f"stage_blocks {blocks} names {len(blocks)} stages, but pp={pp} x virtual_stages={v} "
-                           f"= {n_stages}")
-    stage_gms = split_stages(gm, blocks)
-    plans = [Plan.from_json(t) for t in _plan_stages(stage_gms, sub, type(model).__name__, plan_options)]
+    if len(plan.stage_plans) != n_stages:
+        raise AutoparError(f"the pipelined plan has {len(plan.stage_plans)} stage plans for {n_stages} stages (a plan "
+                           f"made from a traced graph has none); re-plan from the model: autopar.plan(model, {world}, "
+                           f"example_inputs)")
+    cls = _schedule_class(info.schedule)
+    sub = plan.stage_plans[0].mesh
+    n_sub = world // pp
+    full = _rank0_weights(model)
+    gm = trace(model, microbatch_inputs(example_inputs, m))
+    stage_gms = split_stages(gm, info.stage_blocks)
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
 
     device_type = device or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
-    dm = init_device_mesh(device_type, (pp, *sub.sizes), mesh_dim_names=("pp", *sub.axes))
+    sizes, axes = sub.sizes, sub.axes
+    # The model's own process groups (see parallel_module._build: no group shared with another model)
+    dm = init_device_mesh(device_type, (pp, *sizes), mesh_dim_names=("pp", *axes),
+                          backend_override={a: dist.get_backend() for a in ("pp", *axes)})
     rank = dist.get_rank()
     pp_index, sub_rank = divmod(rank, n_sub)
-    coords = _coords(sub_rank, sub.sizes)  # init_device_mesh lays ranks out row-major, pp outermost
-    groups = [C.AxisGroup(a, dm.get_group(a), s, c) for a, s, c in zip(sub.axes, sub.sizes, coords)]
+    coords = mesh_coords(sub_rank, sizes)  # init_device_mesh lays ranks out row-major, pp outermost
+    groups = [C.AxisGroup(a, dm.get_group(a), s, c) for a, s, c in zip(axes, sizes, coords)]
     pp_group = dm.get_group("pp")
     pp_ranks = [dist.get_global_rank(pp_group, i) for i in range(pp)]
     buffers = dict(model.named_buffers())
     dev = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     stage_ids = [pp_index + j * pp for j in range(v)]  # round robin: interleaved schedules expect it
+    tied = _tied_groups(info.tied, n_sub, sub_rank)
     modules, pipe_stages = [], []
     for s in stage_ids:
-        pm = _stage_module(stage_gms[s], plans[s], full, buffers, dm[sub.axes], groups, coords)
+        pm = _stage_module(stage_gms[s], plan.stage_plans[s], full, buffers, dm[axes], groups, coords)
         modules.append(pm)
         ins, outs = _example_args(stage_gms[s], s > 0, dev)
         pipe_stages.append(PipelineStage(pm, s, n_stages, dev, input_args=ins, output_args=outs, group=pp_group))
-    sched = cls(pipe_stages if v > 1 else pipe_stages[0], n_microbatches, loss_fn=_loss_of)
-    return PipelineModule(modules, stage_ids, sched, plans, blocks, n_microbatches, schedule, pp_group, pp_ranks, dm)
-
-
-def parallelize_plan_pipeline(model: nn.Module, example_inputs: Sequence[Any], plan: Plan, device: str | None,
-                              plan_options: dict) -> PipelineModule:
-    """``parallelize`` with a plan that has pipeline stages: run its stages, micro-batches and
-    schedule; each stage is planned again for one micro-batch on the plan's stage mesh."""
-    info = plan.pipeline
-    world = dist.get_world_size()
-    if plan.n_devices != world:
-        raise AutoparError(f"the plan is for {plan.n_devices} devices but the world size is {world}; "
-                           f"re-plan with autopar.plan(model, {world}, ...) or launch {plan.n_devices} processes")
-    options = {k: v for k, v in plan_options.items() if k not in ("strategy", "mesh", "baselines")}
-    options.setdefault("hardware", plan.hardware)
-    options["recompute"] = "full" if info.recompute else "none"  # the stages recompute as the plan priced them
-    return parallelize_pipeline(model, example_inputs, pp=info.n_stages, n_microbatches=info.n_microbatches,
-                                schedule=info.schedule, stage_mesh=info.stage_mesh, stage_blocks=info.stage_blocks,
-                                virtual_stages=info.virtual_stages, device=device, **options)
-
-
-def parallelize_pipeline_options(model: nn.Module, example_inputs: Sequence[Any], *, mesh: str | MeshSpec | None = None,
-                                 n_microbatches: int | None = None, schedule: str = "1f1b", device: str | None = None,
-                                 virtual_stages: int = 1, stage_blocks: Sequence[int] | None = None,
-                                 **plan_options) -> PipelineModule:
-    """``parallelize(model, example_inputs=..., mesh="pp=2,dp=2,tp=2", n_microbatches=4,
-    schedule="1f1b")``: the pipeline pinned by hand; the stages' sharding is planned."""
-    world = dist.get_world_size()
-    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
-        raise BadArgumentError(f"n_microbatches must be a positive integer dividing the batch, got {n_microbatches!r}; "
-                               "e.g. n_microbatches=4")
-    # a schedule or batch that cannot work fails here, not after planning
-    _schedule_class(schedule)
-    _microbatch(example_inputs, n_microbatches)
-    spec = MeshSpec.parse(mesh, world) if isinstance(mesh, str) else mesh
-    if spec is None or not spec.axes or spec.axes[0] != "pp":
-        raise AutoparError(f"n_microbatches/schedule ask for a pipeline, so the mesh needs a leading pp axis, "
-                           f"e.g. mesh='pp=2,dp=2'; got {mesh!r}")
-    rest = ",".join(f"{a}={s}" for a, s in zip(spec.axes[1:], spec.sizes[1:])) or None
-    if plan_options.get("strategy") == "pp":  # the pipeline is pinned here; stages plan their own sharding
-        plan_options.pop("strategy")
-    plan_options.pop("baselines", None)
-    return parallelize_pipeline(model, example_inputs, pp=spec.sizes[0], n_microbatches=n_microbatches,
-                                schedule=schedule, stage_mesh=rest, stage_blocks=stage_blocks,
-                                virtual_stages=virtual_stages, device=device, **plan_options)
+    sched = cls(pipe_stages if v > 1 else pipe_stages[0], m, loss_fn=_loss_of)
+    return PipelineModule(modules, stage_ids, sched, list(plan.stage_plans), info.stage_blocks, m, info.schedule,
+                          pp_group, pp_ranks, dm, tied, info, _aliases(model))
 
 
 @contextlib.contextmanager

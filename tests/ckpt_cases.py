@@ -37,8 +37,7 @@ def build():
 
 
 def parallel(family: str, mesh: str | None = None):
-    from autopar.runtime.parallel_module import parallelize
-    from autopar.runtime.pipeline import parallelize_pipeline
+    from autopar.runtime.parallel_module import parallelize, parallelize_pipeline
 
     model, inputs = build()
     if family == "pp":

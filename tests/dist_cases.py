@@ -22,9 +22,11 @@ LR = 1e-3
 EPS = 1e-6
 
 
-def train_single(model, args, kwargs=None, steps: int = STEPS, lr: float = LR, eps: float = EPS):
+def train_single(model, args, kwargs=None, steps: int = STEPS, lr: float = LR, eps: float = EPS,
+                 every_name: bool = False):
     """The single-process reference, no autopar: ``steps`` AdamW steps on the same batch.
-    Returns the losses, the first step's gradients and the state dict after the last step."""
+    Returns the losses, the first step's gradients (``every_name``: under each name of a tied
+    weight) and the state dict after the last step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
     losses, grads = [], None
     for step in range(steps):
@@ -32,7 +34,8 @@ def train_single(model, args, kwargs=None, steps: int = STEPS, lr: float = LR, e
         loss = out if isinstance(out, torch.Tensor) else out.loss
         loss.backward()
         if step == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+            grads = {k: p.grad.clone() for k, p in model.named_parameters(remove_duplicate=not every_name)
+                     if p.grad is not None}
         losses.append(loss.item())
         opt.step()
         opt.zero_grad()

@@ -12,7 +12,7 @@ from autopar.html_report import render_html
 from autopar.models import get_model
 from autopar.plan import Plan
 from autopar.planner import plan
-from autopar.report import _block_rows, _gib, _ms
+from autopar.report import block_rows, gib, ms
 
 _VOID = {"meta", "br", "img", "input", "link", "hr", "col", "wbr", "source", "area", "base"}
 
@@ -77,9 +77,9 @@ def test_page_is_well_formed_and_self_contained(tiny_plan):
 def test_page_shows_the_plans_numbers(tiny_plan):
     p = tiny_plan
     text = " ".join(_parse(render_html(p)).text)
-    for figure in (_ms(p.step_seconds), _ms(p.compute_seconds), _ms(p.comm_seconds),
-                   _gib(p.peak_memory_bytes_per_device), _gib(p.param_state_bytes), _gib(p.activation_bytes),
-                   _gib(p.memory_budget_bytes), f"{p.solver.n_variables:,}", f"{p.solver.n_constraints:,}",
+    for figure in (ms(p.step_seconds), ms(p.compute_seconds), ms(p.comm_seconds),
+                   gib(p.peak_memory_bytes_per_device), gib(p.param_state_bytes), gib(p.activation_bytes),
+                   gib(p.memory_budget_bytes), f"{p.solver.n_variables:,}", f"{p.solver.n_constraints:,}",
                    f"{p.solver.gap * 100:.2f}%", p.solver.status, p.hardware, p.model):
         assert figure in text, figure
     for collective, nbytes in p.comm_bytes.items():
@@ -87,8 +87,8 @@ def test_page_shows_the_plans_numbers(tiny_plan):
     for axis, link in zip(p.mesh.axes, p.mesh.links):
         assert axis in text and link.name in text
     for b in p.baselines:
-        assert b.name in text and _ms(b.step_seconds) in text and _gib(b.peak_memory_bytes_per_device) in text
-    for name, op, _ in _block_rows(p):
+        assert b.name in text and ms(b.step_seconds) in text and gib(b.peak_memory_bytes_per_device) in text
+    for name, op, _ in block_rows(p):
         assert name in text and op in text
 
 
@@ -120,7 +120,7 @@ def test_plan_read_back_from_json_renders(tiny_plan, tmp_path):
     path = tmp_path / "plan.json"
     tiny_plan.to_json(str(path))
     page = render_html(Plan.from_json(str(path)))
-    assert _ms(tiny_plan.step_seconds) in page
+    assert ms(tiny_plan.step_seconds) in page
     _parse(page)
 
 
@@ -131,3 +131,62 @@ def test_cli_plan_writes_html(tmp_path, capsys):
     page = out.read_text(encoding="utf-8")
     checker = _parse(page)
     assert "mlp" in " ".join(checker.text) and "Baselines were not priced" in page
+
+
+@pytest.fixture(scope="module")
+def pipelined_plan() -> Plan:
+    """A tiny HF GPT-2 (embedding tied to the head) pinned to pp=2 x dp=2 on 4 devices."""
+    from autopar.models.hf import hf_gpt2
+
+    model, inputs = hf_gpt2(n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=16, batch_size=8,
+                            seq_len=16, device="meta")
+    p = plan(model, 4, inputs, mesh="pp=2,dp=2", model_name="hf-gpt2-4l")
+    assert p.pipeline is not None and len(p.stage_plans) == p.pipeline.n_stages * p.pipeline.virtual_stages
+    return p
+
+
+def test_pipelined_plan_shows_each_stages_figures(pipelined_plan):
+    """Today's gaps closed: communication, bytes, bubble and solver figures of a pipelined plan
+    come from its stage plans; the bubble's percentage is its share of the step."""
+    from autopar.report import bubble_share, format_report, stage_rows
+
+    p = pipelined_plan
+    info = p.pipeline
+    assert p.comm_seconds > 0 and sum(p.comm_bytes.values()) > 0 and p.solver.n_variables > 0
+    assert info.tied and info.tied[0].bytes_per_rank > 0  # the tied head's all-reduce, priced
+    rows = stage_rows(p)
+    assert len(rows) == 2 and all(r["comm_seconds"] > 0 and sum(r["bytes"].values()) > 0 and r["variables"] > 0
+                                  for r in rows)
+    report = format_report(p)
+    share = bubble_share(p)
+    assert share == pytest.approx(info.bubble_seconds / p.step_seconds)
+    assert f"bubble {ms(info.bubble_seconds)} = {share * 100:.1f}% of the step" in report
+    assert "collectives none" not in report and f"communication {ms(p.comm_seconds)}" in report
+    page = render_html(p)
+    checker = _parse(page)
+    text = " ".join(checker.text)
+    assert "stage-table" in {v for k, v in checker.attrs if k == "id"}
+    assert f"{ms(info.bubble_seconds)} ({share * 100:.1f}% of the step)" in text  # the summary card
+    for r in rows:
+        assert ms(r["comm_seconds"]) in text and f"{sum(r['bytes'].values()) / 2**20:,.2f} MiB" in text
+        assert f"{r['variables']:,}" in text
+    table = page[page.index("id='layout-table'"):]
+    head = re.findall(r"<th>([^<]*)</th>", table[:table.index("</tr>")])
+    assert head == ["node", "op", *p.mesh.axes[1:], "strategy"]  # the stage mesh's axes, not pp
+    time_svg = page[page.index('<svg id="time-chart"'):]
+    assert f"pipeline bubble: {info.bubble_seconds * 1e3:.4g} ms" in time_svg[:time_svg.index("</svg>")]
+
+
+@pytest.mark.parametrize("mesh", ["dp=8,tp=8", "pp=4,dp=4,tp=8", "pp=8,dp=16,tp=8", "a=2,b=2,c=4,d=8"])
+def test_mesh_drawing_fits_the_page(tiny_plan, mesh):
+    from autopar.html_report import MESH_MAX_WIDTH
+    from autopar.mesh import MeshSpec
+
+    spec = MeshSpec.parse(mesh)
+    p = dataclasses.replace(tiny_plan, mesh=spec, n_devices=spec.n_devices)
+    svg = render_html(p)
+    svg = svg[svg.index('<svg id="mesh-diagram"'):]
+    width = int(re.match(r'<svg id="mesh-diagram" width="(\d+)"', svg).group(1))
+    assert width <= MESH_MAX_WIDTH
+    assert svg[:svg.index("</svg>")].count("<rect") == spec.n_devices + (spec.n_devices // (spec.sizes[-1] * spec.sizes[-2])
+                                                                         if spec.ndim >= 3 else 0)

@@ -9,6 +9,8 @@ parameter or input storage, which is how the large entries are analysed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 from dataclasses import dataclass
 from functools import partial
@@ -65,6 +67,7 @@ class ModelEntry:
     description: str
     batch_size: int
     seq_len: int | None
+    gpus: int = 8  # the device count the entry is meant to be planned at (`autopar zoo` lists it)
 
     def build(
         self,
@@ -121,7 +124,12 @@ def _entries() -> dict[str, ModelEntry]:
     return {entry.name: entry for entry in e}
 
 
-ZOO: dict[str, ModelEntry] = _entries()
+# Models whose state (weights, gradients, AdamW) needs more than one node of 8 x 80 GB, or too
+# small to spread over more than a few devices: planned at this device count by default.
+_GPUS = {"mlp": 4, "gpt-tiny": 4, "bert-tiny": 4, "vit-tiny": 4, "hf-gpt2-tiny": 4, "hf-bert-tiny": 4,
+         "gpt2-xl": 64, "gpt3-6.7b": 64, "gpt3-13b": 128, "gpt3-175b": 1024}
+ZOO: dict[str, ModelEntry] = {name: dataclasses.replace(e, gpus=_GPUS.get(name, e.gpus))
+                              for name, e in _entries().items()}
 
 
 def list_models() -> list[ModelEntry]:

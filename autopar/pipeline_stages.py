@@ -1,0 +1,225 @@
+"""The stage plans of a pipeline Plan: each model chunk planned on the stage mesh for one
+micro-batch, what each chunk sends, and the weights tied across stages.
+
+A pipelined Plan carries them (``Plan.stage_plans``, ``PipelineInfo.chunks`` and ``.tied``) so
+that ``runtime.pipeline`` runs exactly what was planned and priced, and never plans itself.
+The planner is handed in as ``plan_fn`` (``autopar.planner.plan``): the planner imports this
+module, not the other way round.
+
+Pricing from the stage plans: a chunk's collectives run once per micro-batch, except its
+parameter gradient all-reduces, which run once per step (``cost_model.pipeline.step_sync_bytes``);
+a chunk sends its outputs forward and the gradients of its floating-point inputs back, whole, once
+per micro-batch; a tied weight's gradient is all-reduced once per step between the pp positions
+holding it (``cost_model.pipeline.tied_sync_cost``), on its shard as the stage plans lay it out
+(every holding stage must lay it out alike, or the candidate cannot be built).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from autopar.cost_model.hardware import Hardware, get_hardware
+from autopar.cost_model.pipeline import StageCost, pipeline_cost, step_sync_bytes, tied_sync_cost
+from autopar.mesh import Link, MeshSpec
+from autopar.passes.split_stages import REQUIRES_GRAD_KEY, block_container, even_stage_blocks, split_stages
+from autopar.trace import graph_fingerprint, trace
+
+from .errors import AutoparError
+from .pipeline_info import ChunkComm, PipelineInfo, PipelineStageInfo, TiedSync, microbatch_inputs
+from .plan import Plan, SolverStats
+
+__all__ = ["StagePlans", "plan_stages", "info_from_stage_plans", "hand_pipeline_plan"]
+
+_TOKEN = re.compile(r"S\(\d+\)|R|P(?:\([a-z]+\))?")
+
+
+class StagePlans(tuple):
+    """The stage plans, in model order, with ``.chunks`` (ChunkComm each) and ``.tied``."""
+
+    chunks: tuple[ChunkComm, ...]
+    tied: tuple[TiedSync, ...]
+
+
+def _boundary(gm: fx.GraphModule, first: bool, last: bool) -> tuple[float, float]:
+    """(bytes a chunk sends forward, gradient bytes it sends back), one micro-batch, whole tensors."""
+    send = grad = 0.0
+    if not last:
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        for x in torch.utils._pytree.tree_leaves(out.args[0]):
+            val = x.meta.get("val") if isinstance(x, fx.Node) else None
+            if isinstance(val, torch.Tensor):
+                send += val.numel() * val.element_size()
+    if not first:
+        for n in gm.graph.nodes:
+            val = n.meta.get("val") if n.op == "placeholder" else None
+            if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
+                grad += val.numel() * val.element_size()
+    return send, grad
+
+
+def _local_grad_bytes(gm: fx.GraphModule, node: fx.Node, plan: Plan) -> tuple[str, float]:
+    """(layout key, bytes of this rank's gradient) of weight ``node`` under ``plan``."""
+    np_ = plan.node(node.name) if any(n.name == node.name for n in plan.nodes) else None
+    val = node.meta["val"]
+    numel = float(val.numel())
+    layout, zero = ("R" * plan.mesh.ndim, ()) if np_ is None else (np_.output_layout, tuple(np_.zero_axes))
+    for tok, size in zip(_TOKEN.findall(layout), plan.mesh.sizes):
+        if tok.startswith("S"):
+            numel /= size
+    if zero:  # a flat ZeRO-2 piece, padded to divide
+        k = math.prod(plan.mesh.sizes[a] for a in zero)
+        numel = math.ceil(numel / k)
+    return f"{layout}/{zero}", numel * val.element_size()
+
+
+def _structure(gm: fx.GraphModule) -> tuple:
+    """The graph up to node names and weight names: op, callee, shape, dtype and inputs (by
+    position) of every node, in order."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out = []
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        shape = (tuple(val.shape), str(val.dtype)) if isinstance(val, torch.Tensor) else None
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda x: ("node", index[x]))
+        out.append((n.op, str(n.target) if n.op == "call_function" else "", shape, repr(args),
+                    bool(n.meta.get(REQUIRES_GRAD_KEY))))
+    return tuple(out)
+
+
+def _renamed(plan: Plan, like: fx.GraphModule, gm: fx.GraphModule, model_name: str) -> Plan:
+    """``plan`` (made for ``like``) for ``gm``, a graph of the same structure: node names mapped
+    by position."""
+    names = {a.name: b.name for a, b in zip(like.graph.nodes, gm.graph.nodes)}
+    nodes = tuple(dataclasses.replace(n, name=names[n.name], shares_with=names.get(n.shares_with, n.shares_with),
+                                      follows=names.get(n.follows, n.follows)) for n in plan.nodes)
+    solver = dataclasses.replace(plan.solver, seconds=0.0, ilps_solved=0, plan_seconds=0.0,
+                                 mesh_search="the same graph as an earlier stage: its plan, renamed")
+    return dataclasses.replace(plan, nodes=nodes, model=model_name, graph_fingerprint=graph_fingerprint(gm),
+                               solver=solver)
+
+
+def plan_stages(micro_gm: fx.GraphModule, stage_blocks: tuple[int, ...], sub: MeshSpec, pp: int, pp_link: Link,
+                plan_fn: Callable[..., Plan], options: dict, model_name: str) -> StagePlans:
+    """Plan every chunk of ``micro_gm`` (one micro-batch) cut at ``stage_blocks`` on ``sub``.
+    ``options`` go to ``plan_fn`` (hardware, optimizer, budget, strategy, recompute, ...)."""
+    gms = split_stages(micro_gm, stage_blocks)
+    plans, solved = [], {}
+    for k, g in enumerate(gms):
+        key = _structure(g)
+        if key in solved:  # the same graph up to names (middle stages): the same ILP, so its answer
+            plans.append(_renamed(*solved[key], g, f"{model_name}/stage{k}"))
+            continue
+        plans.append(plan_fn(g, sub.n_devices, mesh=sub if sub.ndim else None, baselines=False, pipeline=False,
+                             model_name=f"{model_name}/stage{k}", **options))
+        solved[key] = (plans[-1], gms[k])
+    n = len(gms)
+    chunks = []
+    for k, (g, p) in enumerate(zip(gms, plans)):
+        per_step = step_sync_bytes(p._problem, p._choice) if p._problem is not None else {}
+        per_micro = {c: b - per_step.get(c, 0.0) for c, b in p.comm_bytes.items() if b - per_step.get(c, 0.0) > 0}
+        send, grad = _boundary(g, k == 0, k == n - 1)
+        chunks.append(ChunkComm(per_micro, per_step, send, grad, p.comm_seconds))
+    tied = []
+    for target, stages in sorted(gms.tied.items()):
+        keys = set()
+        nbytes = 0.0
+        for s in stages:
+            node = next(x for x in gms[s].graph.nodes if x.op == "get_attr" and str(x.target) == target)
+            key, nbytes = _local_grad_bytes(gms[s], node, plans[s])
+            keys.add(key)
+        if len(keys) > 1:
+            raise AutoparError(f"weight {target} is tied across pipeline stages {list(stages)}, whose plans lay it "
+                               f"out differently ({sorted(keys)}); its gradient cannot be all-reduced shard by "
+                               f"shard. Pin one strategy for the stages (e.g. strategy='dp') or untie it")
+        positions = tuple(sorted({s % pp for s in stages}))
+        sent, seconds = tied_sync_cost(nbytes, len(positions), pp_link)
+        tied.append(TiedSync(target, tuple(stages), positions, nbytes, sent, seconds))
+    out = StagePlans(plans)
+    out.chunks, out.tied = tuple(chunks), tuple(tied)
+    return out
+
+
+def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule: str, stage_mesh: MeshSpec,
+                          block_prefix: str, stage_blocks: tuple[int, ...], pp_link: Link,
+                          recompute: bool) -> tuple[PipelineInfo, float]:
+    """A PipelineInfo priced from the stage plans themselves (a pipeline pinned by hand), and
+    the step time (schedule, then the once-per-step syncs and optimizer of the slowest device)."""
+    costs = [StageCost(p.step_seconds, p.param_state_bytes, p.activation_bytes, c.send_bytes, c.send_grad_bytes)
+             for p, c in zip(stages, stages.chunks)]
+    pc = pipeline_cost(costs, schedule, m, pp_link, v)
+    tied_s = sum(t.seconds for t in stages.tied)
+    starts = [sum(stage_blocks[:s]) for s in range(pp * v)]
+    infos = []
+    for k in range(pp):
+        mine = [k + j * pp for j in range(v)]
+        extras = "+".join(x for x, on in (("embeddings", 0 in mine), ("head", pp * v - 1 in mine)) if on)
+        infos.append(PipelineStageInfo(k, starts[k], sum(stage_blocks[s] for s in mine), extras,
+                                       pc.stage_seconds[k], pc.stage_memory_bytes[k]))
+    info = PipelineInfo(pp, schedule, m, v, str(stage_mesh), block_prefix, tuple(stage_blocks), pc.bubble_fraction,
+                        pc.bubble_seconds, pc.p2p_bytes_per_step, tuple(infos), recompute, stages.tied, stages.chunks)
+    return info, pc.step_seconds + tied_s
+
+
+def hand_pipeline_plan(model, example_inputs, n_gpus: int, *, pp: int, n_microbatches: int, schedule: str,
+                       stage_mesh: str | MeshSpec | None, stage_blocks, virtual_stages: int,
+                       plan_fn: Callable[..., Plan], **plan_options) -> Plan:
+    """A pipelined Plan pinned by hand (``pp`` stage groups, ``n_microbatches``, ``schedule``,
+    ``stage_mesh`` inside a stage: default one dp axis over n / pp devices; ``stage_blocks`` per
+    stage: default as even as they divide; ``virtual_stages`` chunks per device); the sharding
+    inside each stage is planned by ``plan_fn`` with ``plan_options`` (strategy, hardware, ...)."""
+    if pp < 1 or n_gpus % pp:
+        raise AutoparError(f"pp={pp} does not divide the world size {n_gpus}; pick pp among the divisors of {n_gpus}")
+    v = int(virtual_stages)
+    if (v > 1) != (schedule == "interleaved-1f1b"):
+        raise AutoparError(f"schedule {schedule!r} with virtual_stages={v}: interleaved-1f1b needs virtual_stages >= 2 "
+                           f"and the others run one stage per rank")
+    n_sub = n_gpus // pp
+    hw_opt = plan_options.pop("hardware", "a100-80gb")
+    hw = hw_opt if isinstance(hw_opt, Hardware) else get_hardware(hw_opt)
+    sub = MeshSpec.parse(stage_mesh, n_sub) if isinstance(stage_mesh, str) else stage_mesh
+    if sub is None:
+        sub = MeshSpec.parse(f"dp={n_sub}", n_sub)
+    if sub.n_devices != n_sub:
+        raise AutoparError(f"stage mesh {sub} has {sub.n_devices} devices but world {n_gpus} / pp {pp} = {n_sub}; "
+                           f"pick a stage mesh of {n_sub} devices")
+    if "pp" in sub.axes:
+        raise AutoparError("the stage mesh cannot itself have a pp axis; give pp= separately")
+    sub = hw.mesh_spec(sub.axes, sub.sizes)
+    link = hw.mesh_spec(("pp", *sub.axes), (pp, *sub.sizes)).links[0]
+    gm = trace(model, example_inputs, stack_traces=False)
+    micro = trace(model, microbatch_inputs(example_inputs, n_microbatches), stack_traces=False)
+    prefix, indices = block_container(micro)
+    n_stages = pp * v
+    blocks = tuple(stage_blocks) if stage_blocks is not None else even_stage_blocks(len(indices), n_stages)
+    if len(blocks) != n_stages:
+        raise AutoparError(f"stage_blocks {blocks} names {len(blocks)} stages, but pp={pp} x virtual_stages={v} "
+                           f"= {n_stages}")
+    plan_options.pop("baselines", None)
+    plan_options.pop("mesh", None)
+    name = plan_options.pop("model_name", None) or type(model).__name__
+    stages = plan_stages(micro, blocks, sub, pp, link, plan_fn, dict(plan_options, hardware=hw), name)
+    rc = plan_options.get("recompute") == "full"
+    info, step = info_from_stage_plans(stages, pp, n_microbatches, v, schedule, sub, prefix, blocks, link, rc)
+    worst = max(range(pp), key=lambda k: info.stages[k].peak_memory_bytes)
+    params = sum(stages[s].param_state_bytes for s in range(worst, n_stages, pp))
+    sent = {k: info.predicted_bytes(k) for k in range(pp)}
+    busiest = max(range(pp), key=lambda k: sum(sent[k].values()))
+    comm = max(n_microbatches * sum(stages[s].comm_seconds for s in range(k, n_stages, pp)) for k in range(pp))
+    first = stages[0]
+    stats = SolverStats("HiGHS per stage (pipeline pinned by hand)", "Optimal", 0.0, step, float("nan"),
+                        sum(s.solver.n_variables for s in stages), sum(s.solver.n_constraints for s in stages),
+                        sum(s.solver.ilps_solved for s in stages), 0.0, "pipeline pinned by hand")
+    mesh = MeshSpec(("pp", *sub.axes), (pp, *sub.sizes), (link, *sub.links))
+    return Plan(model=name, n_devices=n_gpus, mesh=mesh, hardware=hw.name, strategy="pp", optimizer=first.optimizer,
+                mixed_precision=first.mixed_precision, memory_budget_bytes=first.memory_budget_bytes, step_seconds=step,
+                compute_seconds=max(step - info.bubble_seconds - comm, 0.0), comm_seconds=comm,
+                param_state_bytes=params, activation_bytes=info.stages[worst].peak_memory_bytes - params,
+                comm_bytes=sent[busiest], solver=stats, baselines=(), nodes=first.nodes,
+                graph_fingerprint=graph_fingerprint(gm), pipeline=info, recompute=(prefix,) if rc else (),
+                stage_plans=tuple(stages))
