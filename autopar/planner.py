@@ -26,7 +26,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
 
 from .cost_model.costs import TrainingSpec
 from .cost_model.evaluate import Prediction, evaluate
@@ -38,17 +37,18 @@ from .errors import AutoparError, format_bytes
 from .plan_arguments import check_plan_arguments
 from .mesh import MeshSpec
 from .passes.annotate import annotate
-from .passes.rules import tensor_leaves
 from .plan import BaselineResult, NodePlan, Plan, SolverStats
-from .tp_families import SP_FAMILIES, TP_FAMILIES, family_meshes
+from .techniques import base as families
+from .techniques import catalog  # noqa: F401 (imports every technique file, so each registers)
+from .techniques.base import Pin
+from .techniques.pins import OuterDataAxis
 from .trace import graph_fingerprint, trace
 
 __all__ = ["plan", "STRATEGY_FAMILIES", "candidate_meshes"]
 
 aten = torch.ops.aten
-STRATEGY_FAMILIES = ("auto", "dp", "zero2", "zero3", "megatron", "megatron-sp", "megatron-dp", "2d", "2.5d", "3d",
-                     "sp", "ulysses", "ring", "pp")
-_LAYER_NORMS = {aten.layer_norm.default, aten.rms_norm.default}
+# every registered technique's families (autopar.techniques), between the search and pipelining
+STRATEGY_FAMILIES = ("auto",) + tuple(f.name for f in families.families()) + ("pp",)
 
 
 def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
@@ -61,22 +61,6 @@ def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _outer_data_axis(node: fx.Node, option) -> bool:  # (non-strict: see _outer_data_axis.strict)
-    """On 3-axis meshes the outermost axis is a data axis (batch-sharded activations,
-    parameters replicated or ZeRO-sharded there) and the inner two axes are searched freely:
-    the full 3-axis space is ~10x the variables of a 2-axis one. 2D/2.5D/3D tensor layouts
-    over three axes are a later extension of the search."""
-    strategy, _ = option
-    if node.op == "get_attr":
-        return True
-    if node.op == "placeholder":
-        return not _batch_dim_ok(node) or strategy.output.placements[0] == Shard(0)
-    outs_ok = all(l.placements[0] == Shard(0) or l.has_partial and not isinstance(l.placements[0], Shard)
-                  for l in strategy.outputs)
-    ins_ok = all(isinstance(l.placements[0], (Replicate,)) or l.placements[0] == Shard(0) for l in strategy.inputs)
-    return outs_ok and ins_ok
-
-
 def candidate_meshes(n: int, hw: Hardware, max_axes: int = 3) -> list[MeshSpec]:
     """Every 1-, 2- and 3-axis factorization of n; the innermost axis is laid out inside a node."""
     meshes = []
@@ -87,109 +71,14 @@ def candidate_meshes(n: int, hw: Hardware, max_axes: int = 3) -> list[MeshSpec]:
     return meshes or [hw.mesh_spec(("m0",), (1,))]
 
 
-# a batch that does not divide by the outer axis leaves the inputs free instead of the mesh out
-_outer_data_axis.strict = False
-
-
-# --- pins: restrictions that turn the ILP into a baseline family -----------------------------
-
-Pin = Callable[[fx.Node, Any], bool]
-
-
-def _batch_dim_ok(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.dim() > 0
-
-
-def _is_tensor_node(x: Any) -> bool:
-    return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
-
-
-def _batch_sizes(graph: fx.Graph) -> set[int]:
-    return {int(n.meta["val"].shape[0]) for n in graph.nodes if n.op == "placeholder" and _batch_dim_ok(n)}
-
-
-def _pin(data_axes: Sequence[int], tp_axes: Sequence[int], zero3: bool, sp: bool | None, zero2: bool = False) -> Pin:
-    """What a classic family means, as restrictions on each node's options:
-
-    * data axes: inputs batch-sharded; every activation whose leading dim is the batch stays
-      batch-sharded (or partial, as a loss is) - no gathering the batch; parameters replicated
-      (ZeRO-3: stored sharded, gathered for use); gradients and optimizer state split over the
-      data axes with ``zero2`` (DeepSpeed ZeRO-2), else whole (DDP, FSDP);
-    * tensor axes: inputs whole; every weight matrix sharded (column or row parallel); layer
-      norms see whole (sp=False) or sequence-sharded (sp=True, Megatron-SP) activations.
-    """
-    batch_cache: dict[int, set[int]] = {}
-    weight_positions: dict[fx.Node, list[int]] = {}
-
-    def batch_sizes(node: fx.Node) -> set[int]:
-        key = id(node.graph)
-        if key not in batch_cache:
-            batch_cache[key] = _batch_sizes(node.graph)
-        return batch_cache[key]
-
-    def pin(node: fx.Node, option) -> bool:
-        strategy, zero_axes = option
-        val = node.meta.get("val")
-        if node.op == "placeholder" and _batch_dim_ok(node):
-            pl = strategy.output.placements
-            return all(pl[a] == Shard(0) for a in data_axes) and all(isinstance(pl[a], Replicate) for a in tp_axes)
-        if node.op == "get_attr":
-            pl = strategy.output.placements
-            if zero2:
-                return set(data_axes) <= set(zero_axes) and all(isinstance(pl[a], Replicate) for a in data_axes)
-            if zero_axes:
-                return False
-            if tp_axes and val.dim() >= 2 and not all(isinstance(pl[a], Shard) for a in tp_axes):
-                return False
-            if zero3:
-                return all(isinstance(pl[a], Shard) for a in data_axes)
-            return all(isinstance(pl[a], Replicate) for a in data_axes)
-        if node.op != "call_function":
-            return True
-        if node not in weight_positions:
-            weight_positions[node] = [k for k, p in enumerate(tensor_leaves(node.args, node.kwargs, _is_tensor_node))
-                                      if p.op == "get_attr" and p.meta["val"].dim() >= 2]
-        for layout in (strategy.inputs[k] for k in weight_positions[node]):
-            # weights are used whole on data axes and cut on tensor axes
-            if not all(isinstance(layout.placements[a], Replicate) for a in data_axes):
-                return False
-            if not all(isinstance(layout.placements[a], Shard) for a in tp_axes):
-                return False
-        if data_axes and isinstance(val, torch.Tensor) and val.dim() > 0 and val.shape[0] in batch_sizes(node):
-            for layout in strategy.outputs:
-                if not all(layout.placements[a] == Shard(0) or layout.codes[a] < -1 for a in data_axes):
-                    return False
-        if node.target in _LAYER_NORMS and sp is not None and tp_axes:
-            pl = strategy.inputs[0].placements
-            want = (lambda p: p == Shard(1)) if sp else (lambda p: isinstance(p, Replicate))
-            return all(want(pl[a]) for a in tp_axes)
-        return True
-
-    pin.zero2 = zero2
-    return pin
-
+# --- families: the registered techniques' pins (autopar.techniques) ---------------------------
 
 def _family_meshes(family: str, n: int, hw: Hardware) -> list[tuple[MeshSpec, Pin]]:
-    if family == "dp":
-        return [(hw.mesh_spec(("dp",), (n,)), _pin([0], [], False, None))]
-    if family == "zero2":
-        return [(hw.mesh_spec(("dp",), (n,)), _pin([0], [], False, None, zero2=True))]
-    if family == "zero3":
-        return [(hw.mesh_spec(("dp",), (n,)), _pin([0], [], True, None))]
-    if family == "megatron":
-        return [(hw.mesh_spec(("tp",), (n,)), _pin([], [0], False, False))]
-    if family == "megatron-sp":
-        return [(hw.mesh_spec(("tp",), (n,)), _pin([], [0], False, True))]
-    if family == "megatron-dp":
-        out = []
-        for tp in (2, 4, 8):
-            if n % tp == 0 and n // tp > 1 and tp <= hw.devices_per_node:
-                out.append((hw.mesh_spec(("dp", "tp"), (n // tp, tp)), _pin([0], [1], False, False)))
-        return out
-    if family in TP_FAMILIES + SP_FAMILIES:  # multi-dimensional and sequence parallel: autopar.tp_families
-        return family_meshes(family, n, hw)
-    raise AutoparError(f"unknown strategy family {family!r}; pick one of {', '.join(STRATEGY_FAMILIES)}")
+    """The (mesh, pin) candidates of the registered family ``family`` on n devices."""
+    f = families.family(family)
+    if f is None:
+        raise AutoparError(f"unknown strategy family {family!r}; pick one of {', '.join(STRATEGY_FAMILIES)}")
+    return f.meshes(n, hw)
 
 
 def _pin_for_mesh(family: str, spec: MeshSpec, n: int, hw: Hardware) -> Pin:
@@ -221,7 +110,7 @@ def _prepare(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: TrainingSp
     # ZeRO-2 options enter the search when memory asks for them (_search_with_zero2) or a family
     # pins them: releasing gradient all-reduces makes the LP relaxation fractional (gpt2 on 8:
     # 3 ILPs and 37 s instead of one integral LP in 2 s).
-    return build_problem(gm, mesh, hw, train, pin, zero2=zero2 or getattr(pin, "zero2", False))
+    return build_problem(gm, mesh, hw, train, pin, zero2=zero2 or (pin is not None and pin.zero2))
 
 
 def _solve(problem: Problem, budget: float | None, time_limit_s: float) -> _Solved:
@@ -369,7 +258,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
         spec = hw.mesh_spec(spec.axes, spec.sizes)
         candidates = [(spec, None if strategy == "auto" else _pin_for_mesh(strategy, spec, n_gpus, hw))]
     elif strategy == "auto":
-        candidates = [(m, _outer_data_axis if m.ndim == 3 else None) for m in candidate_meshes(n_gpus, hw)]
+        candidates = [(m, OuterDataAxis() if m.ndim == 3 else None) for m in candidate_meshes(n_gpus, hw)]
     else:
         candidates = _family_meshes(strategy, n_gpus, hw)
     with_baselines = baselines and n_gpus > 1

@@ -153,11 +153,14 @@ class Strategy:
 
     ``inputs`` lines up with the node's tensor arguments as ``passes.rules.tensor_args``
     lists them (positional then keyword, nested lists flattened, repeats kept).
+    ``technique``: the name of the registered technique (``autopar.techniques``) that runs the
+    node this way (ring attention, SUMMA, ...), or None for the op itself plus reshards.
     """
 
     inputs: tuple[Layout, ...]
     outputs: tuple[Layout, ...]
     cost: Cost = field(default_factory=Cost, compare=False)
+    technique: str | None = field(default=None, compare=False)
 
     @property
     def output(self) -> Layout:
@@ -165,7 +168,10 @@ class Strategy:
         return self.outputs[0]
 
     def with_cost(self, cost: Cost) -> "Strategy":
-        return Strategy(self.inputs, self.outputs, cost)
+        return Strategy(self.inputs, self.outputs, cost, self.technique)
+
+    def with_technique(self, technique: str | None) -> "Strategy":
+        return Strategy(self.inputs, self.outputs, self.cost, technique)
 
     def __str__(self) -> str:
         ins = ", ".join(str(l) for l in self.inputs)

@@ -38,11 +38,9 @@ from autopar.mesh import MeshSpec
 from autopar.passes.annotate import STRATEGIES_KEY
 from autopar.passes.rules import tensor_leaves
 from autopar.strategy import REPLICATE_CODE, Layout, Strategy
-
-from autopar.tp_families import is_ring_attention, ring_axes, sharded_norm_axis, summa_axes
+from autopar.techniques.base import PriceContext, technique, techniques_for
 
 from .blocks import block_of as _block_of
-from .algorithms import ring_attention_steps, sharded_norm_steps, summa_steps
 from .saved_inputs import saves_input
 from .buckets import bucketed_all_reduce_s
 from .comm import all_reduce_s
@@ -323,8 +321,9 @@ def _inputs(node: fx.Node) -> list[tuple[fx.Node, int]]:
 
 def _is_follower(node: fx.Node) -> bool:
     """A node with one tensor input and no parameter of its own (views, unary elementwise,
-    getitem) adopts its producer's layout: it gets no decision of its own."""
-    return node.op == "call_function" and len(_inputs(node)) == 1
+    getitem) adopts its producer's layout: it gets no decision of its own. An op a registered
+    technique covers always gets one (its technique's collectives are priced per decision)."""
+    return node.op == "call_function" and len(_inputs(node)) == 1 and not techniques_for(node.target)
 
 
 class PinError(AutoparError):
@@ -350,6 +349,7 @@ class _Builder:
         self.decisions: dict[str, Decision] = {}
         self.followers: dict[str, tuple[str, list[Strategy]]] = {}
         self._split_cache: dict[str, list[tuple[int, ...]]] = {}
+        self.price_context = PriceContext(mesh, train, self.needs, lambda val: _tensor_bytes(val, train))
 
     def reshard(self, a: Layout, b: Layout, total: float, grad: bool):
         """(forward steps, backward steps, seconds) of a reshard."""
@@ -386,7 +386,7 @@ class _Builder:
             options = options or [(s, ()) for s in strategies]
         if self.pins is not None:
             kept = [o for o in options if self.pins(n, o)]
-            if not kept and n.op == "placeholder" and getattr(self.pins, "strict", True):
+            if not kept and n.op == "placeholder" and self.pins.strict:
                 short = (f"input {n.name} of shape {tuple(n.meta['val'].shape)} cannot take the layout the "
                          f"strategy asks for on mesh {self.mesh}")
                 raise PinError(f"the strategy family cannot be followed: {short} (e.g. the batch does not divide "
@@ -421,40 +421,12 @@ class _Builder:
                 d.comm_steps[i].extend((step, count) for step in steps)
 
     def algorithm_steps(self, n: fx.Node, st: Strategy, backward: bool = True) -> list[CommStep]:
-        """The collectives of a runtime algorithm the strategy runs (``cost_model.algorithms``);
+        """The collectives of the registered technique the strategy runs (``autopar.techniques``);
         ``backward=False``: its forward's only (what a recompute runs again)."""
-        if is_ring_attention(n, st):
-            return self.ring_steps(n, st, backward)
-        if summa_axes(n, st) is not None:
-            return self.summa_steps(n, st, backward)
-        axis = sharded_norm_axis(n, st)
-        if axis is not None:
-            x = n.args[0].meta["val"]
-            local = st.inputs[0].local_shape(self.mesh, tuple(x.shape))
-            return sharded_norm_steps(math.prod(local[:-1]), axis, self.train.activation_bytes_per_elem,
-                                      self.needs[n.name] and backward)
-        return []
-
-    def ring_steps(self, n: fx.Node, st: Strategy, backward: bool = True) -> list[CommStep]:
-        """Ring attention's sends (``cost_model.algorithms``): K and V blocks around the ring."""
-        (axis,) = ring_axes(n, st)
-        k, v = n.args[1], n.args[2]
-        kb = _tensor_bytes(k.meta["val"], self.train) * st.inputs[1].local_fraction(self.mesh)
-        vb = _tensor_bytes(v.meta["val"], self.train) * st.inputs[2].local_fraction(self.mesh)
-        return ring_attention_steps(kb, vb, self.mesh.sizes[axis], axis, self.needs[n.name] and backward,
-                                    self.train.activation_bytes_per_elem)
-
-    def summa_steps(self, n: fx.Node, st: Strategy, backward: bool = True) -> list[CommStep]:
-        """SUMMA's broadcasts and reduces (``cost_model.algorithms``) for a linear layer."""
-        r, c = summa_axes(n, st)
-        x, w = n.args[0], n.args[1]
-        x_local = st.inputs[0].local_shape(self.mesh, tuple(x.meta["val"].shape))
-        n_local = st.inputs[1].local_shape(self.mesh, tuple(w.meta["val"].shape))[0]
-        rows = math.prod(x_local[:-1])
-        k = w.meta["val"].shape[1]
-        return summa_steps(rows, k, n_local, self.mesh.sizes[r], self.mesh.sizes[c], r, c,
-                           self.train.activation_bytes_per_elem, self.needs.get(x.name, False),
-                           self.needs.get(w.name, False), self.needs[n.name] and backward)
+        if st.technique is None:
+            return []
+        price = technique(st.technique).price
+        return price(self.price_context, n, st, backward) if price is not None else []
 
     def add_input_grad(self, n: fx.Node, d: Decision) -> None:
         """An input whose gradient is wanted (a pipeline stage's input) is cut from the whole

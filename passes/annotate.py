@@ -6,7 +6,8 @@ Writes, per node:
   :class:`~autopar.strategy.Strategy`, the layouts the node may run in. Placeholders and
   parameters (``get_attr``) get every layout of ``Shard``/``Replicate`` that divides their
   shape; ``operator.getitem`` of a multi-output op follows its producer's outputs; every op
-  gets its rule's expansion.
+  gets its rule's expansion, plus the strategies of the registered techniques that cover it
+  (``autopar.techniques``), each strategy a technique runs tagged with its name.
 * ``node.meta["autopar_fallback"]`` (:data:`FALLBACK_KEY`): ``True`` on an op that has no rule.
   It runs replicated, and one :class:`UnknownOpWarning` per op names it.
 """
@@ -26,6 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.mesh import MeshSpec
 from autopar.strategy import Layout, Strategy
+from autopar.techniques.base import tag, techniques_for
 
 from .rules import expand, get_rule, has_rule, op_name, tensor_info, tensor_leaves
 
@@ -106,16 +108,18 @@ def node_strategies(node: fx.Node, mesh: MeshSpec, cache: dict | None = None) ->
     sig = _SIGNATURES.get(node)
     if sig is None:
         sig = _SIGNATURES[node] = _signature_tree(*pytree.tree_map(_val, (node.args, node.kwargs)))
-    key = (node.target, sig, mesh.sizes)  # strategies depend on mesh sizes only
+    covering = techniques_for(node.target)
+    # strategies depend on mesh sizes only (and on the techniques registered for the op)
+    key = (node.target, sig, mesh.sizes, covering)
     if cache is not None and key in cache:
         return cache[key]
     args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
     ins = [tensor_info(t) for t in tensor_leaves(args, kwargs)]
     result = tuple(expand(rule.fn(*args, **kwargs), ins, [tensor_info(t) for t in outs], mesh))
-    if node.target is torch.ops.aten.linear.default and mesh.ndim >= 2:
-        from autopar.tp_families import summa_strategies  # 2D matmuls by SUMMA's panel loop
-
-        result = result + tuple(summa_strategies(node, result, mesh))
+    for technique in covering:  # e.g. SUMMA's panel-loop linear layer
+        if technique.strategies is not None:
+            result = result + tuple(technique.strategies(node, result, mesh))
+    result = tag(node, result)  # each strategy a technique runs records its name
     if cache is not None:
         cache[key] = result
     return result

@@ -25,7 +25,8 @@ from autopar.runtime import collectives as C
 from autopar.runtime import fsdp as F
 from autopar.runtime.mixed_precision import MixedPrecision, retarget_dtypes, to_compute_dtype
 from autopar.strategy import REPLICATE_CODE, PARTIAL_AVG_CODE, Layout, Replicate, Strategy
-from autopar.tp_families import is_ring_attention, ring_axes, sharded_norm_axis, summa_axes
+from autopar.techniques import catalog  # noqa: F401 (imports every technique file, so each registers)
+from autopar.techniques.base import LowerContext, technique
 
 from .defer_sync import ParamUse, defer_param_syncs, fsdp_axis
 from .recompute_regions import checkpoint_blocks
@@ -214,17 +215,9 @@ class _Lowering:
             lambda x: next(inputs) if _is_tensor_node(x) else (self.env[x.name] if isinstance(x, fx.Node) else x),
             (node.args, node.kwargs))
         args, kwargs = self.localize(node, tuple(args), kwargs, s)
-        if is_ring_attention(node, s):
-            out = self.ring_attention(node, s, tuple(args), kwargs)
-        elif summa_axes(node, s) is not None:
-            out = self.summa(node, s, tuple(args), kwargs)
-        elif sharded_norm_axis(node, s) is not None:
-            from autopar.runtime.sharded_norm import sharded_layer_norm
-
-            bound = _bound(("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"), args, kwargs)
-            out = self.graph.call_function(sharded_layer_norm, (
-                bound["input"], list(node.args[1]), bound.get("weight"), bound.get("bias"), bound.get("eps", 1e-5),
-                self.groups[sharded_norm_axis(node, s)]))
+        lower_hook = technique(s.technique).lower if s.technique is not None else None
+        if lower_hook is not None:  # the technique's runtime kernel replaces the op
+            out = lower_hook(LowerContext(self.graph, self.groups, self.mesh), node, s, tuple(args), kwargs)
         elif self.mp is not None:
             out = self.graph.call_function(node.target, *retarget_dtypes(tuple(args), kwargs, self.mp))
             if _made_floating(node, self.mp.traced_dtype):  # a factory, or int -> float: cast it
@@ -234,30 +227,6 @@ class _Lowering:
         out.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
         self.env[node.name] = out
         self.layouts[node.name] = s.outputs
-
-    def ring_attention(self, node: fx.Node, s: Strategy, args: tuple, kwargs: dict) -> fx.Node:
-        """Attention with Q, K, V split on the sequence: K/V blocks go around the axis's ring
-        (``runtime.ring_attention``; the rule offers this only without a mask or dropout)."""
-        from autopar.runtime.ring_attention import ring_attention
-
-        (axis,) = ring_axes(node, s)
-        bound = _bound(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
-                       args, kwargs)
-        return self.graph.call_function(ring_attention, (bound["query"], bound["key"], bound["value"],
-                                                         self.groups[axis]),
-                                        {"causal": bool(bound.get("is_causal", False)), "scale": bound.get("scale")})
-
-    def summa(self, node: fx.Node, s: Strategy, args: tuple, kwargs: dict) -> fx.Node:
-        """A linear layer on its stored 2D blocks by SUMMA's panel loop (``runtime.summa``)."""
-        from autopar.runtime.summa import summa_matmul
-
-        r, c = summa_axes(node, s)
-        bound = _bound(("input", "weight", "bias"), args, kwargs)
-        w_t = self.graph.call_function(torch.ops.aten.t.default, (bound["weight"],))
-        out = self.graph.call_function(summa_matmul, (bound["input"], w_t, self.groups[r], self.groups[c]))
-        if bound.get("bias") is not None:
-            out = self.graph.call_function(torch.ops.aten.add.Tensor, (out, bound["bias"]))
-        return out
 
     def do_call_module(self, node: fx.Node) -> None:
         raise NotImplementedError(f"call_module {node.target} in a traced graph: trace with autopar.trace")
@@ -285,13 +254,6 @@ def _made_floating(node: fx.Node, dtype: torch.dtype) -> bool:
     if not isinstance(val, torch.Tensor) or val.dtype != dtype:
         return False
     return not any(i.meta["val"].is_floating_point() for i in tensor_leaves(node.args, node.kwargs, _is_tensor_node))
-
-
-def _bound(names: Sequence[str], args: tuple, kwargs: dict) -> dict:
-    """An ATen call's arguments by name (positional ones named by the schema's order)."""
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    return bound
 
 
 def _single_use_params(gm: fx.GraphModule, followers: set[str], zero2: dict) -> set[str]:

@@ -19,7 +19,10 @@ from autopar.models import get_model
 from autopar.report import format_report
 from autopar.runtime.parallel_module import local_shard
 from autopar.strategy import PARTIAL_SUM_CODE, REPLICATE_CODE, Layout, Partial, Replicate, Shard
-from autopar.tp_families import is_ring_attention, layout_kind, sharded_norm_axis, summa_axes
+from autopar.techniques.optimus_norm import sharded_norm_axis
+from autopar.techniques.ring_attention import is_ring_attention
+from autopar.techniques.summa import summa_axes
+from autopar.tp_families import layout_kind
 
 aten = torch.ops.aten
 
