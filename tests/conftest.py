@@ -1,11 +1,16 @@
 import os
+import sys
 
 import pytest
 
 # Many simulated ranks share two cores; one thread each keeps them from fighting.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+sys.path.insert(0, os.path.dirname(__file__))
+from launcher import Launches  # noqa: E402
+
 _SUMMARY = pytest.StashKey[list]()
+_LAUNCHES = pytest.StashKey[Launches]()
 
 
 @pytest.fixture
@@ -15,6 +20,24 @@ def report_line(pytestconfig):
     return lines.append
 
 
+@pytest.fixture(scope="session")
+def launches(request, tmp_path_factory) -> Launches:
+    """The session's multi-process launches (tests/launcher.py): one per world size, shared by
+    every collected test module that declares ``LAUNCH_CASES``."""
+    modules = {item.module for item in request.session.items
+               if item.module is not None and hasattr(item.module, "LAUNCH_CASES")}
+    made = Launches(modules, tmp_path_factory.mktemp("launches"))
+    request.config.stash[_LAUNCHES] = made
+    return made
+
+
+@pytest.fixture
+def launched(request, launches):
+    """``launched(world)``: this test module's case results at ``world`` gloo ranks."""
+    return lambda world: launches.results(request.module, world)
+
+
 def pytest_terminal_summary(terminalreporter, config):
-    for line in config.stash.get(_SUMMARY, []):
+    made = config.stash.get(_LAUNCHES, None)
+    for line in config.stash.get(_SUMMARY, []) + (made.summary if made else []):
         terminalreporter.write_line(line)
