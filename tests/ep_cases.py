@@ -1,16 +1,11 @@
-"""Expert-parallel cases on gloo ranks, run by tests/test_expert_parallel.py in one launch.
-
-``case(rank, world, **kwargs) -> picklable dict`` functions (the shared launcher's shape);
-``main`` runs them all on ``world`` ranks and rank 0 saves the results. Each rank trains a
+"""Expert-parallel cases on gloo ranks, run by tests/test_expert_parallel.py through the shared
+launcher (tests/launcher.py), in the session's 4-rank launch. Each rank trains a
 tiny Hugging Face Mixtral (4 experts, top-2) whose experts are split over all ranks
 (``runtime.expert_parallel``) and whose other weights are replicated (data parallel: the
 gradient all-reduced); every rank holds its own slice of the batch.
 """
 
 from __future__ import annotations
-
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -88,33 +83,3 @@ def case_mixtral_ep(rank: int, world: int, break_combine_scale: bool = False) ->
     dist.all_gather_object(per_rank_sent, sent)
     return dict(losses=losses, grads=grads, params=params, local_expert_shapes=shapes, replaced=replaced,
                 sent_per_rank=per_rank_sent)
-
-
-CASES = {"mixtral_ep": case_mixtral_ep}
-
-
-def main(rank: int, world: int, port: int, cases: list, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for key, name, kwargs in cases:
-            try:
-                results[key] = CASES[name](rank, world, **kwargs)
-            except Exception as exc:  # reported per case by the test
-                results[key] = {"error": f"{type(exc).__name__}: {exc}"}
-            dist.barrier()
-    finally:
-        if rank == 0:
-            torch.save(results, out_path)
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import json
-
-    import torch.multiprocessing as mp
-
-    world, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    mp.spawn(main, args=(world, port, json.loads(sys.argv[4]), out_path), nprocs=world)

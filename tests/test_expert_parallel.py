@@ -2,38 +2,21 @@
 experts split over the ranks equals one process, and the all-to-all bytes each rank sends
 equal the prediction from the router's counts."""
 
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 import torch
+from ep_cases import BATCH, EPS, LR, SEQ, STEPS, build_mixtral
 
-sys.path.insert(0, os.path.dirname(__file__))
-from ep_cases import BATCH, EPS, LR, SEQ, STEPS, build_mixtral  # noqa: E402
-
-from autopar.runtime.expert_parallel import predict_bytes  # noqa: E402
+from autopar.runtime.expert_parallel import predict_bytes
 
 WORLD = 4
-CASES = [("ep", "mixtral_ep", {}), ("ep_broken", "mixtral_ep", {"break_combine_scale": True})]
+# Run in the session's shared 4-rank launch (tests/launcher.py).
+LAUNCH_CASES = {WORLD: [("ep", "ep_cases:case_mixtral_ep", {}),
+                        ("ep_broken", "ep_cases:case_mixtral_ep", {"break_combine_scale": True})]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep") / "results.pt"
-    script = os.path.join(os.path.dirname(__file__), "ep_cases.py")
-    proc = subprocess.run([sys.executable, script, str(WORLD), str(_free_port()), str(out), json.dumps(CASES)],
-                          capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+@pytest.fixture
+def results(launched):
+    return launched(WORLD)
 
 
 @pytest.fixture(scope="module")
