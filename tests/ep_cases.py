@@ -17,14 +17,14 @@ EPS = 1e-6
 BATCH, SEQ, VOCAB = 8, 8, 64
 
 
-def build_mixtral(seed: int = 0):
-    """Tiny Mixtral (2 layers, 4 experts, top-2) and one batch ``(input_ids, labels)``."""
+def build_mixtral(seed: int = 0, experts: int = 4):
+    """Tiny Mixtral (2 layers, ``experts`` experts, top-2) and one batch ``(input_ids, labels)``."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from autopar.models.hf import HFLossWrapper
 
     cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
                         num_experts_per_tok=2, max_position_embeddings=SEQ, use_cache=False,
                         attn_implementation="sdpa", router_jitter_noise=0.0)
     torch.manual_seed(seed)
@@ -40,10 +40,10 @@ def _gather_experts(local: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(pieces)
 
 
-def case_mixtral_ep(rank: int, world: int, break_combine_scale: bool = False) -> dict:
+def case_mixtral_ep(rank: int, world: int, break_combine_scale: bool = False, experts: int = 4) -> dict:
     from autopar.runtime.expert_parallel import ExpertAxis, ExpertParallelExperts, shard_experts
 
-    model, (ids, labels) = build_mixtral()
+    model, (ids, labels) = build_mixtral(experts=experts)
     num_experts = model.model.config.num_local_experts
     axis = ExpertAxis(group=None, size=world, rank=rank, num_experts=num_experts)
     replaced = shard_experts(model, axis)

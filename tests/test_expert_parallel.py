@@ -11,7 +11,8 @@ from autopar.runtime.expert_parallel import predict_bytes
 WORLD = 4
 # Run in the session's shared 4-rank launch (tests/launcher.py).
 LAUNCH_CASES = {WORLD: [("ep", "ep_cases:case_mixtral_ep", {}),
-                        ("ep_broken", "ep_cases:case_mixtral_ep", {"break_combine_scale": True})]}
+                        ("ep_broken", "ep_cases:case_mixtral_ep", {"break_combine_scale": True}),
+                        ("ep_8_experts", "ep_cases:case_mixtral_ep", {"experts": 8})]}
 
 
 @pytest.fixture
@@ -21,8 +22,12 @@ def results(launched):
 
 @pytest.fixture(scope="module")
 def reference():
+    return _reference(4)
+
+
+def _reference(experts: int) -> dict:
     """One process, whole batch: losses, first gradients, final parameters, each step's routing."""
-    model, inputs = build_mixtral()
+    model, inputs = build_mixtral(experts=experts)
     routing: list[list[torch.Tensor]] = []
     for layer in model.model.model.layers:
         layer.mlp.gate.register_forward_hook(lambda m, i, out: routing[-1].append(out[2].detach().clone()))
@@ -46,7 +51,17 @@ def _close(a, b, what):
 
 
 def test_expert_parallel_mixtral_equals_one_process(results, reference):
-    r = results["ep"]
+    _assert_equal(results["ep"], reference)
+
+
+def test_two_experts_per_rank_equal_one_process(results):
+    # Two local experts: the rows that arrive are regrouped by expert and put back in order.
+    r = results["ep_8_experts"]
+    assert all(shape[0] == 2 for shape in r.get("local_expert_shapes", {}).values()), r.get("error")
+    _assert_equal(r, _reference(8))
+
+
+def _assert_equal(r: dict, reference: dict) -> None:
     assert "error" not in r, r.get("error")
     _close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), "losses")
     assert r["grads"].keys() == reference["grads"].keys()
