@@ -142,11 +142,16 @@ def _check_strategy(op, args, kwargs, expected: list[torch.Tensor], strategy: St
     return _assemble_check(outs, expected, strategy.outputs, mesh, gen)
 
 
+def _clone(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
 def _validate_rule(rule: Rule, mesh: MeshSpec, mode, report: ValidationReport) -> None:
     gen = torch.Generator().manual_seed(1234)
     for s_idx, (args, kwargs) in enumerate(rule.samples()):
         try:
-            expected_out = rule.op(*args, **kwargs)
+            # On copies: an in-place op (index_put_, div_) must leave the sample whole for the pieces.
+            expected_out = rule.op(*pytree.tree_map(_clone, args), **pytree.tree_map(_clone, kwargs))
         except Exception as exc:
             report.failures.append(Failure(rule.name, s_idx, mesh.sizes, "unsharded", f"sample fails: {exc}"))
             continue

@@ -7,6 +7,8 @@ group size, and converts calls to bytes one rank sends with ring formulas writte
 (nccl-tests' bus-bandwidth factors): all-reduce 2(n-1)/n of the buffer, all-gather (n-1)/n of
 the gathered output, reduce-scatter (n-1)/n of the input, all-to-all (n-1)/n of the input,
 broadcast and reduce the whole buffer (pipelined ring), a point-to-point send its tensor.
+An ``all_to_all_single`` with ``input_split_sizes`` sends exactly the rows bound for the other
+ranks (uneven splits: expert parallelism), counted row by row.
 It does not import autopar.
 """
 
@@ -62,7 +64,14 @@ class ByteSpy:
 
         def spy(*args, **kwargs):
             bound = signature.bind_partial(*args, **kwargs).arguments
-            self.calls.append((kind, _nbytes(bound[payload]), _size(bound.get("group"))))
+            splits = bound.get("input_split_sizes") if name == "all_to_all_single" else None
+            if splits:
+                t = bound[payload]
+                row_bytes = t[0].numel() * t.element_size() if t.shape[0] else 0
+                mine = splits[dist.get_rank(bound.get("group"))]
+                self.calls.append(("all_to_all_rows", (sum(splits) - mine) * row_bytes, _size(bound.get("group"))))
+            else:
+                self.calls.append((kind, _nbytes(bound[payload]), _size(bound.get("group"))))
             return fn(*args, **kwargs)
 
         return spy
@@ -93,6 +102,8 @@ class ByteSpy:
                 out[kind] += 2 * (n - 1) / n * nbytes
             elif kind in ("all_gather", "reduce_scatter", "all_to_all"):
                 out[kind] += (n - 1) / n * nbytes
+            elif kind == "all_to_all_rows":  # already only the rows that leave this rank
+                out["all_to_all"] += nbytes
             else:
                 out[kind] += nbytes
         return dict(out)

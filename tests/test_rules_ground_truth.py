@@ -3,6 +3,7 @@ the unsharded op (all ranks simulated with LocalTensorMode). A wrong rule fails 
 
 import pytest
 import torch
+import transformers.integrations.moe  # noqa: F401  (loads transformers::grouped_mm_fallback, whose rule is by name)
 
 from autopar.passes.rules import OpSpec, registered_ops, temporary_rule
 from autopar.passes.validate import validate_rules
@@ -33,3 +34,18 @@ def get_samples_of(op):
     from autopar.passes.rules import get_rule
 
     return get_rule(op).samples
+
+
+def test_routing_rules_that_would_split_global_offsets_or_data_ranges_are_caught():
+    # The grouped matmul reads rows by global offsets and histc without a range takes the
+    # data's own min and max: claiming either splits is wrong and must be named.
+    grouped = torch.ops.transformers.grouped_mm_fallback.default
+    rows = lambda x, w, offs: OpSpec("sk,_kn,_->sn")  # noqa: E731
+    with temporary_rule(grouped, rows, get_samples_of(grouped)):
+        report = validate_rules([(2,)], ops=[grouped])
+    assert any("S(0), R, R -> S(0)" == f.strategy for f in report.failures), report.failures
+    histc = aten.histc.default
+    ranged = lambda x, bins=100, min=0, max=0: OpSpec("ab"[: x.dim()] + "->_")  # noqa: E731
+    with temporary_rule(histc, ranged, get_samples_of(histc)):
+        report = validate_rules([(2,)], ops=[histc])
+    assert any(f.sample == 2 and f.strategy == "S(0) -> P" for f in report.failures), report.failures

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import ops_matmul, ops_nn, ops_pointwise, ops_view  # noqa: F401  (registers the rules)
+from . import ops_matmul, ops_nn, ops_pointwise, ops_routing, ops_view  # noqa: F401  (registers the rules)
 from .registry import (Rule, RuleError, RuleFn, SampleFn, get_rule, has_rule, op_name, register_rule,
                        registered_ops, temporary_rule)
 from .spec import REPLICATED, AxisOption, OpSpec, TensorInfo, axis_options, elementwise_spec, expand, without_algorithms

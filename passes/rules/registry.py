@@ -6,6 +6,11 @@ returning an :class:`~autopar.passes.rules.spec.OpSpec` that describes the op fo
 axis. Every rule also names ``samples``: small real inputs on which the ground-truth
 validation (``autopar.passes.validate``) checks each strategy the rule produces against the
 unsharded op. A rule that cannot be validated does not ship.
+
+An op of another library that exists only once that library is imported (Hugging Face's
+``transformers::grouped_mm_fallback``) is registered by its qualified name, a string; the
+rule attaches to the op the first time a graph holding it is annotated, and
+:func:`registered_ops` lists it once the op is loaded. autopar never imports the library.
 """
 
 from __future__ import annotations
@@ -43,6 +48,28 @@ class Rule:
 
 
 _RULES: dict[Any, Rule] = {}
+# Rules of ops named "namespace::name" (their default overload), not loaded yet.
+_BY_NAME: dict[str, tuple[RuleFn, SampleFn]] = {}
+
+
+def _loaded(name: str) -> Any | None:
+    """The default overload of the custom op ``name`` if its library has loaded it, else None."""
+    import torch
+
+    namespace, _, op = name.partition("::")
+    try:
+        return getattr(getattr(torch.ops, namespace), op).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _by_name(op: Any) -> Rule | None:
+    schema = getattr(op, "_schema", None)
+    if schema is None or getattr(op, "_overloadname", None) != "default" or schema.name not in _BY_NAME:
+        return None
+    fn, samples = _BY_NAME[schema.name]
+    _RULES[op] = rule = Rule(op, fn, samples)
+    return rule
 
 
 def op_name(op: Any) -> str:
@@ -55,6 +82,11 @@ def register_rule(*ops: Any, samples: SampleFn) -> Callable[[RuleFn], RuleFn]:
 
     def decorator(fn: RuleFn) -> RuleFn:
         for op in ops:
+            if isinstance(op, str):
+                if op in _BY_NAME or _loaded(op) in _RULES:
+                    raise RuleError(f"a sharding rule for {op} is already registered")
+                _BY_NAME[op] = (fn, samples)
+                continue
             if op in _RULES:
                 raise RuleError(
                     f"a sharding rule for {op_name(op)} is already registered "
@@ -71,6 +103,9 @@ def get_rule(op: Any) -> Rule:
     try:
         return _RULES[op]
     except KeyError:
+        rule = _by_name(op)
+        if rule is not None:
+            return rule
         raise RuleError(
             f"no sharding rule for {op_name(op)}; register one with "
             f"@autopar.passes.rules.register_rule({op_name(op)}, samples=...)"
@@ -78,10 +113,15 @@ def get_rule(op: Any) -> Rule:
 
 
 def has_rule(op: Any) -> bool:
-    return op in _RULES
+    return op in _RULES or _by_name(op) is not None
 
 
 def registered_ops() -> list[Any]:
+    """Every op with a rule; an op registered by name is listed once its library loaded it."""
+    for name in _BY_NAME:
+        op = _loaded(name)
+        if op is not None and op not in _RULES:
+            _by_name(op)
     return list(_RULES)
 
 
