@@ -36,7 +36,9 @@ CASES = [("gpt-tiny", dict(MEGATRON, recompute="full")), ("gpt-tiny", dict(MEGAT
 OFFLOAD = [("gpt-tiny", dict(MEGATRON, recompute="none", offload=True)),
            ("hf-llama-tiny", {"strategy": "dp", "recompute": "full", "offload": True}),
            ("gpt-tiny", {"strategy": "zero3", "recompute": "none", "offload": True})]
-CASES += OFFLOAD
+SELECTIVE = [("gpt-tiny", dict(MEGATRON, recompute="selective")),
+             ("hf-llama-tiny", {"strategy": "dp", "recompute": "selective"})]
+CASES += OFFLOAD + SELECTIVE
 WORLD = 4
 N_BLOCKS = {"gpt-tiny": 2, "hf-llama-tiny": 3, "gpt-longseq": 2}
 _RESULTS: dict = {}
@@ -67,6 +69,17 @@ def test_auto_recomputes_only_where_memory_needs_it_and_never_costs_time():
     tight = _plan("gpt-longseq", **LONGSEQ_AUTO)
     assert tight.recompute == ("blocks",) and tight.peak_memory_bytes_per_device <= 3e6
     assert tight.step_seconds >= free.step_seconds
+
+
+def test_selective_recomputes_the_attention_of_each_block_only():
+    none, sel, full = (_plan("gpt-tiny", **MEGATRON, recompute=rc) for rc in ("none", "selective", "full"))
+    assert sel.recompute == ("blocks:attn",)
+    assert full.activation_bytes < sel.activation_bytes < none.activation_bytes
+    assert none.step_seconds < sel.step_seconds < full.step_seconds
+    llama = _plan("hf-llama-tiny", strategy="dp", recompute="selective")
+    assert llama.recompute == ("model.model.layers:self_attn",)  # not post_attention_layernorm
+    with pytest.raises(AutoparError, match="selective.*pipeline"):
+        _plan("gpt-tiny", mesh="pp=2,dp=2", recompute="selective")
 
 
 def test_bad_recompute_mode_is_refused_with_the_choices():
@@ -146,6 +159,14 @@ def test_offloaded_state_lives_on_the_host_as_planned(results, case, report_line
     report_line(f"offload {WORLD} ranks {case_key(case)}: host bytes {r['host_bytes']:,.0f} (predicted "
                 f"{r['predicted_host_bytes']:,.0f}), device params+grads {r['device_state_bytes']:,.0f} "
                 f"(predicted {r['predicted_device_state_bytes']:,.0f})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,family", [("gpt-tiny", "megatron-dp"), ("hf-llama-tiny", "dp")])
+def test_selective_keeps_less_than_none_and_more_than_full(results, name, family):
+    kept = {rc: results[case_key((name, {"strategy": family, "recompute": rc}))]["kept_bytes"]
+            for rc in ("none", "selective", "full")}
+    assert kept["full"] < kept["selective"] < kept["none"], kept
 
 
 @pytest.mark.slow
