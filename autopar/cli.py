@@ -288,11 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default=None, help="per-device budget, e.g. 40GB (default: device memory)")
     p.add_argument("--optimizer", default="adamw",
                    help="adamw (default), adam, sgd, lamb, lars (lamb/lars: prices their norm all-reduces)")
-    p.add_argument("--recompute", default="auto", choices=("auto", "none", "full"),
+    p.add_argument("--recompute", default="auto", choices=("auto", "none", "full", "selective"),
                    help="activation recompute of repeated blocks: the planner's choice (auto, default), "
-                        "none, or every block (full)")
+                        "none, every block (full), or each block's attention (selective)")
     p.add_argument("--offload", action="store_true",
-                   help="ZeRO-Offload: optimizer state and fp32 master weights in host memory (planned only)")
+                   help="ZeRO-Offload: optimizer state and fp32 master weights in host memory, the step on the host CPU")
     p.add_argument("--json", default=None, help="write the plan as JSON to this path")
     p.add_argument("--html", default=None, help="also write a self-contained HTML report (inline SVG plots) here")
     p.add_argument("--no-baselines", action="store_true", help="skip pricing the baselines")

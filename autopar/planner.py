@@ -33,7 +33,7 @@ from .cost_model.hardware import Hardware, get_hardware
 from .cost_model.ilp import InfeasibleBudgetError, SolveResult, solve
 from .cost_model.problem import PinError, Problem, build_problem
 from .cost_model.recompute import chosen_recompute
-from .errors import AutoparError, format_bytes
+from .errors import AutoparError, BadArgumentError, format_bytes
 from .plan_arguments import check_plan_arguments
 from .mesh import MeshSpec
 from .passes.annotate import annotate
@@ -248,6 +248,11 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     gm = model if isinstance(model, fx.GraphModule) else trace(model, example_inputs, example_kwargs,
                                                                  stack_traces=False)
     _progress(progress, f"traced {len(gm.graph.nodes)} nodes")
+    if train.recompute == "selective":  # cost_model/recompute.py: not priced inside pipeline stages yet
+        pipeline = False
+        if strategy == "pp" or (mesh is not None and "pp=" in str(mesh)):
+            raise BadArgumentError("recompute='selective' does not run under pipeline stages yet; use "
+                                   "recompute='full' (or 'auto') with pipeline stages, or drop pp= from the mesh")
     # pipeline stage plans are made for one micro-batch: the model traced again at that size
     micro_graph = None if isinstance(model, fx.GraphModule) or example_kwargs else (
         lambda m: trace(model, microbatch_inputs(example_inputs, m), stack_traces=False))

@@ -132,8 +132,9 @@ def format_report(plan: Plan, max_rows: int = 40) -> str:
         "bytes sent / device   " + (", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in sorted(plan.comm_bytes.items()))
                                   or "none") + ("  (the busiest pp position; per stage below)" if plan.pipeline
                                                 else ""),
-        "activation recompute  " + (", ".join(f"{p} (every block, full)" for p in plan.recompute) or "none"),
-        *([f"host memory / device  {gib(plan.host_bytes)}  (optimizer state and fp32 master weights offloaded; "
+        "activation recompute  " + (", ".join(_recompute_text(p) for p in plan.recompute) or "none"),
+        *([f"host memory / device  {gib(plan.host_bytes)}  (optimizer state, fp32 master weights and gradient "
+           f"buffer offloaded; "
            f"the step runs on the host)"] if plan.host_bytes else []),
         *_parallelism_lines(plan),
         *_pipeline_lines(plan),
@@ -170,3 +171,9 @@ def format_report(plan: Plan, max_rows: int = 40) -> str:
                          f"{gib(b.peak_memory_bytes_per_device):>12s}  {ratio:.2f}x slower{fit}"
                          if math.isfinite(ratio) else f"{b.name:14s} {'-':12s} {'no plan':>12s}")
     return "\n".join(lines)
+
+
+def _recompute_text(entry: str) -> str:
+    """``blocks`` -> every block recomputed; ``blocks:attn`` -> each block's attention (selective)."""
+    prefix, _, segment = entry.partition(":")
+    return f"{prefix} (each block's {segment}, selective)" if segment else f"{entry} (every block, full)"

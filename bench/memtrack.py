@@ -18,6 +18,11 @@ of the full weights, say) are not counted. Tensor subclasses (DTensor, FSDP2's p
 counted through their inner tensors; ops a subclass runs inside its own dispatch are not seen
 one by one (their outputs are), so short-lived temporaries inside DTensor ops are missed.
 The mode costs Python work per op: run it on untimed steps.
+
+Host memory (ZeRO-Offload, ``runtime/offload.py``): storages named by :meth:`LiveBytes.host`
+are counted apart, in ``host_bytes`` / ``host_peak_bytes``, never in the device's
+``live_bytes`` / ``peak_bytes``; on a CPU-only machine both are the same memory, and this is
+how the measurement keeps them separate.
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ class LiveBytes(TorchDispatchMode):
         # id(storage) -> (weak ref whose callback takes the bytes off, bytes counted now)
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
         self._resize = None
+        self.host_bytes = 0
+        self.host_peak_bytes = 0
+        self._host: dict[int, torch.UntypedStorage] = {}  # id -> storage (kept alive: ids stay unique)
 
     def _freed(self, key: int) -> None:
         entry = self._storages.pop(key, None)
@@ -61,6 +69,8 @@ class LiveBytes(TorchDispatchMode):
 
     def _count(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
+        if key in self._host:
+            return
         entry = self._storages.get(key)
         nbytes = storage.nbytes()
         if entry is None:
@@ -84,6 +94,25 @@ class LiveBytes(TorchDispatchMode):
         """Count these tensors from now on (persistent state the step may touch late)."""
         for t in tensors:
             self._see(t)
+
+    def host(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count these tensors as host memory (offloaded state), never as the device's."""
+        for t in tensors:
+            for plain in _plain_tensors(t):
+                storage = plain.untyped_storage()
+                key = id(storage)
+                if key in self._host:
+                    continue
+                entry = self._storages.pop(key, None)
+                if entry is not None:
+                    self.live_bytes -= entry[1]
+                self._host[key] = storage
+                self.host_bytes += storage.nbytes()
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage was named host memory (:meth:`host`)."""
+        return id(t.untyped_storage()) in self._host
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes

@@ -11,7 +11,7 @@ import re
 
 import torch.fx as fx
 
-__all__ = ["block_of"]
+__all__ = ["block_of", "attention_segment_of", "split_recompute_entry"]
 
 _BLOCK_RE = re.compile(r"^(?P<prefix>.*?)\.?(?P<index>\d+)$")
 
@@ -30,3 +30,29 @@ def block_of(node: fx.Node) -> tuple[str, int] | None:
         if m and m.group("prefix"):
             return m.group("prefix"), int(m.group("index"))
     return None
+
+
+# Selective recompute (cost_model/recompute.py, mode "selective") recomputes one segment of each
+# block, its attention: the first submodule under the block whose name says so (GPT's ``attn``,
+# Hugging Face's ``self_attn``). A plan names it "<prefix>:<segment>" (``blocks:attn``).
+_ATTENTION_RE = re.compile(r"(\w+_)?(attn|attention)", re.IGNORECASE)  # attn, self_attn; not post_attention_layernorm
+
+
+def attention_segment_of(node: fx.Node) -> str | None:
+    """The attention submodule (``attn``) of its repeated block that ``node`` runs in, or None."""
+    b = block_of(node)
+    if b is None or node.op == "get_attr":
+        return None
+    head = f"{b[0]}.{b[1]}." if b[0] else f"{b[1]}."
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        if path and path.startswith(head):
+            sub = path[len(head):].split(".")[0]
+            if _ATTENTION_RE.fullmatch(sub):
+                return sub
+    return None
+
+
+def split_recompute_entry(entry: str) -> tuple[str, str | None]:
+    """``"blocks:attn"`` -> ("blocks", "attn"); ``"blocks"`` -> ("blocks", None)."""
+    prefix, _, segment = entry.partition(":")
+    return prefix, segment or None

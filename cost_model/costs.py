@@ -36,7 +36,7 @@ aten = torch.ops.aten
 
 # Bytes of optimizer state per parameter element (fp32 moments): Adam/AdamW keep two, SGD
 # with momentum one. Mixed precision adds an fp32 master copy (ZeRO paper, arXiv 1910.02054).
-RECOMPUTE_MODES = ("none", "full", "auto")
+RECOMPUTE_MODES = ("none", "full", "auto", "selective")
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "lamb": 8, "lars": 4}
 
@@ -63,7 +63,8 @@ class TrainingSpec:
         if self.recompute not in RECOMPUTE_MODES:
             raise BadArgumentError(f"recompute={self.recompute!r} is not a recompute mode; pick one of "
                                f"{', '.join(RECOMPUTE_MODES)} ('full' recomputes every repeated block's "
-                               f"activations, 'auto' lets the planner choose)")
+                               f"activations, 'auto' lets the planner choose, 'selective' recomputes each "
+                               f"block's attention only)")
 
     @property
     def activation_bytes_per_elem(self) -> int:

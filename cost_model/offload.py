@@ -1,13 +1,14 @@
 """ZeRO-Offload in the cost model: optimizer state and fp32 master weights in host memory.
 
 With ``TrainingSpec.offload`` every parameter keeps on the device only its weights (in the
-training precision) and its gradients; the optimizer state (and, in mixed precision, the fp32
-master copy) lives in host memory and the optimizer step runs on the host CPU. Each step, as
+training precision) and its gradients; the optimizer state, an fp32 master copy and an fp32
+buffer the gradient is copied into live in host memory (``runtime/offload.py`` holds exactly
+these), and the optimizer step runs on the host CPU. Each step, as
 ZeRO-Offload does (arXiv 2101.06840): this rank's piece of the gradient goes down over the host
 link, the host runs AdamW on it, and the updated weights come back up (2 x 2 Psi bytes in mixed
 precision). Priced per parameter decision, with what ZeRO-2 splits split here too:
 
-    device bytes = weights + gradients / z          host bytes = state / z
+    device bytes = weights + gradients / z          host bytes = (moments + 4 + 4) x elements / z
     seconds      = (gradients + weights) / z / host link  +  elements / z / host AdamW rate
 
 (z: the product of the parameter's ZeRO-2 axes). The transfers are not overlapped with
@@ -15,7 +16,9 @@ backward in this model. Host memory is a row of its own in the ILP (``cost_model
 ``Hardware.host_memory_bytes``. Device and host bytes are reported apart (``Prediction``), so on
 a CPU-only machine, where both are the same memory, the accounting still says which is which.
 
-Planning only: the runtime does not yet move optimizer state to the host.
+The host bytes were first the optimizer state alone (plus the master copy in mixed precision);
+the run (``bench/memtrack.py``) also holds an fp32 master in fp32 training (the device weights
+cannot be the host's) and the gradient buffer, so both are counted now.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from typing import Sequence
 from autopar.mesh import MeshSpec
 from autopar.strategy import Layout
 
-from .costs import TrainingSpec
+from .costs import OPTIMIZER_STATE_BYTES, TrainingSpec
 from .hardware import Hardware
 
-__all__ = ["param_option_cost", "HostMemory", "add_host_memory", "host_bytes"]
+__all__ = ["param_option_cost", "HostMemory", "add_host_memory", "host_bytes", "HOST_MASTER_AND_GRAD_BYTES"]
+
+HOST_MASTER_AND_GRAD_BYTES = 8  # per element on the host besides the moments: fp32 master + fp32 gradient
 
 
 def param_option_cost(numel: int, layout: Layout, mesh: MeshSpec, hw: Hardware, train: TrainingSpec,
@@ -47,7 +52,9 @@ def param_option_cost(numel: int, layout: Layout, mesh: MeshSpec, hw: Hardware, 
         return device / (hw.efficiency * hw.memory_bandwidth_bytes_per_s), device, 0.0
     moved = grads + weights / split  # gradient piece down, updated weight piece up
     seconds = moved / hw.host_link_bytes_per_s + local / split / hw.host_adam_params_per_s
-    return seconds, weights + grads, state
+    # moments, the fp32 master copy and the fp32 gradient buffer (runtime/offload.py)
+    host = local / split * (OPTIMIZER_STATE_BYTES[train.optimizer] + HOST_MASTER_AND_GRAD_BYTES)
+    return seconds, weights + grads, host
 
 
 @dataclass

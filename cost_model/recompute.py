@@ -19,6 +19,12 @@ backward is summed):
   compute), the forward collectives of the reshards into its ops and of its runtime algorithms
   (ring attention, SUMMA, the sharded layer norm).
 
+Selective recompute (``"selective"``; Megatron-LM's selective recompute of the attention core,
+arXiv 2205.05198, taken here as each block's attention submodule: projections, attention, output
+projection) is the same term over the ops of one segment per block: the segment keeps its inputs
+(the normalized residual stream) and its output, and recomputes the rest. Pinned, never chosen
+by the ILP (``"auto"`` chooses whole blocks only); not offered under pipeline stages yet.
+
 A ZeRO-3 weight gathered inside a recomputed block is gathered again by the recompute instead
 of ``runtime.fsdp``'s backward re-gather (``evaluate`` counts one, not both). Not yet priced: the
 forward collectives of reshards folded into followers.
@@ -34,7 +40,7 @@ import torch.fx as fx
 
 from autopar.strategy import Layout, Strategy
 
-from .blocks import block_of
+from .blocks import attention_segment_of, block_of
 from .comm import bytes_sent_per_rank
 from .costs import RECOMPUTE_MODES, TrainingSpec, compute_seconds
 from .hardware import Hardware
@@ -59,7 +65,7 @@ class RecomputeTerm:
     keys: frozenset[str] = frozenset()  # every decision of the block's ops
 
 
-def _boundary_keys(problem, keys: set[str]) -> frozenset[str]:
+def _boundary_keys(problem, keys: set[str], home_of: Callable[[fx.Node], object] = block_of) -> frozenset[str]:
     """Decisions of ``keys`` whose node (or a follower folded into it) is read outside its block."""
     nodes = {n.name: n for d in problem.decisions.values() for n in d.node.graph.nodes} if problem.decisions else {}
     members: dict[str, list[fx.Node]] = defaultdict(list)
@@ -70,16 +76,21 @@ def _boundary_keys(problem, keys: set[str]) -> frozenset[str]:
             members[root].append(nodes[name])
     out = set()
     for key, ns in members.items():
-        home = block_of(problem.decisions[key].node)
-        if any(block_of(u) != home for n in ns for u in n.users):
+        home = home_of(problem.decisions[key].node)
+        if any(home_of(u) != home for n in ns for u in n.users):
             out.add(key)
     return frozenset(out)
+
+
+def _segment_home(node: fx.Node) -> tuple:
+    return block_of(node), attention_segment_of(node)
 
 
 def add_recompute(problem, hw: Hardware, train: TrainingSpec,
                   forward_algorithm_steps: Callable[[fx.Node, Strategy], list[CommStep]]) -> None:
     """Attach the recompute terms ``train.recompute`` asks for to ``problem`` (``Problem.recompute``):
-    ``"none"`` none, ``"full"`` every block run recomputed, ``"auto"`` the ILP chooses.
+    ``"none"`` none, ``"full"`` every block run recomputed, ``"auto"`` the ILP chooses,
+    ``"selective"`` the attention segment of every block recomputed (term prefix ``blocks:attn``).
     ``forward_algorithm_steps`` gives the forward collectives of a node's runtime algorithm."""
     mode = train.recompute
     problem.recompute = []
@@ -89,7 +100,13 @@ def add_recompute(problem, hw: Hardware, train: TrainingSpec,
     groups: dict[str, set[str]] = defaultdict(set)
     for key, d in problem.decisions.items():
         b = block_of(d.node)
-        if b is not None and not d.is_param and d.node.op == "call_function":
+        if b is None or d.is_param or d.node.op != "call_function":
+            continue
+        if mode == "selective":
+            segment = attention_segment_of(d.node)
+            if segment is not None:
+                groups[f"{b[0]}:{segment}"].add(key)
+        else:
             groups[b[0]].add(key)
     nodes = {n.name: n for n in next(iter(problem.decisions.values())).node.graph.nodes} if problem.decisions else {}
     followers_of: dict[str, list[str]] = defaultdict(list)
@@ -98,8 +115,9 @@ def add_recompute(problem, hw: Hardware, train: TrainingSpec,
     for prefix, keys in sorted(groups.items()):
         if mode == "auto" and max(problem.decisions[k].count for k in keys) < 2:
             continue  # one block: recompute would hold as much at its backward as keeping does
-        term = RecomputeTerm(f"recompute[{prefix}]", prefix, True if mode == "full" else None,
-                             boundary=_boundary_keys(problem, keys), keys=frozenset(keys))
+        home_of = _segment_home if mode == "selective" else block_of
+        term = RecomputeTerm(f"recompute[{prefix}]", prefix, True if mode in ("full", "selective") else None,
+                             boundary=_boundary_keys(problem, keys, home_of), keys=frozenset(keys))
         for key in sorted(keys):
             d = problem.decisions[key]
             keep = key in term.boundary

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from autopar.cost_model.blocks import block_of
+from autopar.cost_model.blocks import attention_segment_of, block_of, split_recompute_entry
 from autopar.errors import AutoparError
 from autopar.runtime import collectives as C
 from autopar.runtime import fsdp as F
@@ -51,8 +51,11 @@ class CheckpointedBlock(torch.nn.Module):
 
 
 def _owners(nodes: list[fx.Node], prefixes: frozenset[str]) -> list[tuple[str, int] | None]:
-    """The recomputed block each node of the program belongs to, or None. Nodes the lowering
-    made (no module stack: reshards, syncs) belong to the op they were made for, the next op."""
+    """The recomputed region each node of the program belongs to, (entry, block index), or
+    None. An entry is a run of blocks (``blocks``) or one segment of each (``blocks:attn``,
+    selective recompute). Nodes the lowering made (no module stack: reshards, syncs) belong to
+    the op they were made for, the next op."""
+    segments = dict(split_recompute_entry(p) for p in prefixes)
     owner: list[tuple[str, int] | None] = [None] * len(nodes)
     nxt = None
     for i in range(len(nodes) - 1, -1, -1):
@@ -61,7 +64,13 @@ def _owners(nodes: list[fx.Node], prefixes: frozenset[str]) -> list[tuple[str, i
             continue
         if "nn_module_stack" in n.meta:
             b = block_of(n)
-            nxt = b if b is not None and b[0] in prefixes else None
+            nxt = None
+            if b is not None and b[0] in segments:
+                segment = segments[b[0]]
+                if segment is None:
+                    nxt = b
+                elif attention_segment_of(n) == segment:
+                    nxt = (f"{b[0]}:{segment}", b[1])
         owner[i] = nxt
     return owner
 
@@ -113,9 +122,12 @@ def checkpoint_blocks(program: fx.GraphModule, prefixes: Sequence[str]) -> fx.Gr
     if not regions:
         raise AutoparError(f"the plan recomputes {', '.join(prefixes)} but the program has no op of those blocks; "
                            f"re-plan for this model")
-    for (prefix, index), members in regions.items():
-        _outline(program, members, f"{prefix}.{index}")
+    names = []
+    for (entry, index), members in regions.items():
+        prefix, segment = split_recompute_entry(entry)
+        names.append(f"{prefix}.{index}" + (f".{segment}" if segment else ""))
+        _outline(program, members, names[-1])
     program.graph.lint()
     program.recompile()
-    program.meta[RECOMPUTED_KEY] = [f"{p}.{i}" for p, i in regions]
+    program.meta[RECOMPUTED_KEY] = names
     return program

@@ -1,15 +1,18 @@
-"""Multi-process cases of activation recompute, run by tests/test_recompute.py in one launch.
+"""Multi-process cases of activation recompute and ZeRO-Offload, run by tests/test_recompute.py in one launch.
 
-Each rank runs every case: parallelize a freshly seeded model with a recompute option, train 3
-AdamW steps, and record what dist_cases records (losses, first-step gradients, parameters after
-the last step, bytes per collective per step), plus which blocks the program checkpoints and
-the live bytes the first step's forward leaves for backward and the peak of its forward +
-backward, both above what was live before it (``bench/memtrack.py``: every storage an op
-touches, from first sight until freed).
-"""
+Each rank runs every case: parallelize a freshly seeded model with recompute / offload options,
+train 3 AdamW steps with the optimizer the plan asks for (``runtime/offload.py``: state on the
+host when the plan offloads), and record what dist_cases records (losses, first-step
+gradients, parameters after the last step, bytes per collective per step), plus which blocks
+the program checkpoints and, on the second step (the optimizer state exists by then), the live
+bytes the forward leaves for backward, the peak of forward + backward above what was live
+before it, the device bytes of parameters, gradients and device-side optimizer state, the
+whole step's device peak, and the host bytes (``bench/memtrack.py``: every storage an op
+touches, from first sight until freed; offloaded state counted as host)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -47,41 +50,63 @@ def case_key(case) -> str:
 
 
 def run_case(name: str, options: dict) -> dict:
-    from memtrack import LiveBytes
+    from memtrack import LiveBytes, optimizer_tensors
 
     from autopar.passes.recompute_regions import RECOMPUTED_KEY
     from autopar.runtime import count_bytes
     from autopar.runtime.parallel_module import parallelize
+    from autopar.runtime.offload import make_optimizer
 
     model, inputs = build(name)
     pm = parallelize(model, example_inputs=inputs, hardware="a100-80gb", mixed_precision=False, baselines=False,
                      **options)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    losses, sent_per_step, grads, peak, kept = [], [], None, 0.0, 0.0
+    # AdamW as the plan asks: state on the device, or on the host when the plan offloads
+    opt = make_optimizer(pm, lr=LR, eps=EPS)
+    host = list(opt.host_tensors()) if hasattr(opt, "host_tensors") else []
+    losses, sent_per_step, grads = [], [], None
     for step in range(STEPS):
-        with count_bytes() as sent:
-            if step == 0:
-                with LiveBytes() as mem:
-                    mem.track(list(pm.parameters()) + list(inputs))
-                    base = mem.live_bytes
-                    loss = pm(*inputs)
-                    kept = mem.live_bytes - base  # what the forward left alive for backward
-                    loss.backward()
-                peak = mem.peak_bytes - base
-            else:
+        # memory is measured on the second step: the optimizer state exists from the first on
+        with LiveBytes() if step == 1 else contextlib.nullcontext() as mem:
+            if mem is not None:
+                mem.host(host)  # offloaded state counts as host memory, never as the device's
+                mem.track(optimizer_tensors(pm, opt) + list(inputs))
+                base = mem.live_bytes
+            with count_bytes() as sent:
                 loss = pm(*inputs)
+                if mem is not None:
+                    kept = mem.live_bytes - base  # what the forward left alive for backward
                 loss.backward()
+            if mem is not None:
+                peak = mem.peak_bytes - base
+            opt.step()
+            if mem is not None:
+                state_bytes = _bytes(optimizer_tensors(pm, opt), mem)  # device: params, grads, device state
+                step_peak, host_bytes = mem.peak_bytes, mem.host_bytes  # the whole step, on the device
         if step == 0:
             grads = pm.full_grads()
         losses.append(loss.item())
         sent_per_step.append(dict(sent))
-        opt.step()
         opt.zero_grad()
     return dict(losses=losses, grads=grads, params=pm.full_state_dict(), sent=sent_per_step,
                 predicted=dict(pm.plan.comm_bytes), mesh=str(pm.plan.mesh), recompute=list(pm.plan.recompute),
                 checkpointed=list(pm.program.meta.get(RECOMPUTED_KEY, [])), peak_bytes=peak, kept_bytes=kept,
                 predicted_activation_bytes=pm.plan.activation_bytes,
-                strategies={n.name: n.strategy for n in pm.plan.nodes})
+                strategies={n.name: n.strategy for n in pm.plan.nodes},
+                offloaded=bool(host), host_bytes=host_bytes, predicted_host_bytes=pm.plan.host_bytes,
+                device_state_bytes=state_bytes, predicted_device_state_bytes=pm.plan.param_state_bytes,
+                step_peak_bytes=step_peak, predicted_peak_bytes=pm.plan.peak_memory_bytes_per_device)
+
+
+def _bytes(tensors, mem) -> int:
+    """Device bytes of ``tensors`` (each storage once; host storages left out)."""
+    seen = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        st = t.untyped_storage()
+        if not mem.is_host(t):
+            seen[id(st)] = st.nbytes()
+    return sum(seen.values())
 
 
 def case(rank: int, world: int, name: str, options: dict) -> dict:

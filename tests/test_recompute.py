@@ -6,6 +6,9 @@ Planner checks run in this process. The runtime checks run 4 gloo ranks in one l
 and the planner's own choice under a budget that forces it; each equals the single-process run
 (losses, gradients, parameters after 3 AdamW steps), sends exactly the bytes its plan predicts
 (the recomputed forward's collectives included) and checkpoints every block it planned to.
+The same launch runs ZeRO-Offload (runtime/offload.py): Megatron, a Llama with full recompute
+and ZeRO-3 (the `--strategy zero3 --offload` baseline) with the optimizer state on the host;
+each equals the single-process run, and the host and device bytes measured equal the plan's.
 """
 
 import os
@@ -28,6 +31,12 @@ CASES = [("gpt-tiny", dict(MEGATRON, recompute="full")), ("gpt-tiny", dict(MEGAT
          ("hf-llama-tiny", {"strategy": "dp", "recompute": "full"}),
          ("hf-llama-tiny", {"strategy": "dp", "recompute": "none"}),
          ("gpt-tiny", {"strategy": "zero3", "recompute": "full"}), ("gpt-longseq", LONGSEQ_AUTO)]
+OFFLOAD = [("gpt-tiny", dict(MEGATRON, recompute="none", offload=True)),
+           ("hf-llama-tiny", {"strategy": "dp", "recompute": "full", "offload": True}),
+           ("gpt-tiny", {"strategy": "zero3", "recompute": "none", "offload": True})]
+SELECTIVE = [("gpt-tiny", dict(MEGATRON, recompute="selective")),
+             ("hf-llama-tiny", {"strategy": "dp", "recompute": "selective"})]
+CASES += OFFLOAD + SELECTIVE
 WORLD = 4
 N_BLOCKS = {"gpt-tiny": 2, "hf-llama-tiny": 3, "gpt-longseq": 2}
 # In the session's 4-rank launch (tests/launcher.py).
@@ -61,6 +70,17 @@ def test_auto_recomputes_only_where_memory_needs_it_and_never_costs_time():
     assert tight.step_seconds >= free.step_seconds
 
 
+def test_selective_recomputes_the_attention_of_each_block_only():
+    none, sel, full = (_plan("gpt-tiny", **MEGATRON, recompute=rc) for rc in ("none", "selective", "full"))
+    assert sel.recompute == ("blocks:attn",)
+    assert full.activation_bytes < sel.activation_bytes < none.activation_bytes
+    assert none.step_seconds < sel.step_seconds < full.step_seconds
+    llama = _plan("hf-llama-tiny", strategy="dp", recompute="selective")
+    assert llama.recompute == ("model.model.layers:self_attn",)  # not post_attention_layernorm
+    with pytest.raises(AutoparError, match="selective.*pipeline"):
+        _plan("gpt-tiny", mesh="pp=2,dp=2", recompute="selective")
+
+
 def test_bad_recompute_mode_is_refused_with_the_choices():
     with pytest.raises(AutoparError, match="recompute='some'.*none, full, auto"):
         _plan("gpt-tiny", recompute="some")
@@ -91,6 +111,30 @@ def test_recomputed_run_equals_single_process_and_bytes_match_plan(results, case
                 f"{len(r['checkpointed'])}, bytes/step {sum(r['predicted'].values()):,.0f} (measured = predicted), "
                 f"activations kept by forward {r['kept_bytes']:,.0f} (predicted "
                 f"{r['predicted_activation_bytes']:,.0f}), step peak above weights {r['peak_bytes']:,.0f}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", OFFLOAD, ids=[case_key(c) for c in OFFLOAD])
+def test_offloaded_state_lives_on_the_host_as_planned(results, case, report_line):
+    r = results[case_key(case)]
+    assert "error" not in r, r["error"]
+    assert r["offloaded"] and r["predicted_host_bytes"] > 0
+    # master, moments and gradient buffer on the host: exactly the plan's host bytes
+    assert r["host_bytes"] == pytest.approx(r["predicted_host_bytes"], rel=1e-6)
+    # the device keeps weights and gradients only (a device-side optimizer would add 8 bytes per
+    # element, an fp32 step counter per parameter)
+    assert r["device_state_bytes"] == pytest.approx(r["predicted_device_state_bytes"], rel=1e-6)
+    report_line(f"offload {WORLD} ranks {case_key(case)}: host bytes {r['host_bytes']:,.0f} (predicted "
+                f"{r['predicted_host_bytes']:,.0f}), device params+grads {r['device_state_bytes']:,.0f} "
+                f"(predicted {r['predicted_device_state_bytes']:,.0f})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,family", [("gpt-tiny", "megatron-dp"), ("hf-llama-tiny", "dp")])
+def test_selective_keeps_less_than_none_and_more_than_full(results, name, family):
+    kept = {rc: results[case_key((name, {"strategy": family, "recompute": rc}))]["kept_bytes"]
+            for rc in ("none", "selective", "full")}
+    assert kept["full"] < kept["selective"] < kept["none"], kept
 
 
 @pytest.mark.slow
