@@ -191,6 +191,7 @@ class PipelineChoice:
     pp_link: Link
     param_bytes: float  # of the device with the highest peak
     activation_bytes: float
+    lower_bound_s: float = float("nan")  # no pipeline the search covers is faster (_work_bound)
 
 
 def _stage_part(sub: _SubMesh, n: int, first: bool, last: bool, rc: bool = False) -> _Part:
@@ -285,6 +286,17 @@ def _compose(sub: _SubMesh, counts: tuple[int, ...], p: int, m: int, v: int, sch
     return PipelineChoice(pc.step_seconds + after, pc.peak_memory_bytes, info, sub, link, worst[1], worst[2])
 
 
+def _work_bound(sub: _SubMesh, p: int, n_blocks: int) -> float:
+    """No pipeline of ``p`` stages on ``sub`` steps faster than its whole work spread evenly:
+    a step is at least m times the busiest device's micro-batch time (``pipeline_cost``), that is
+    at least the batch work over p, and the syncs after the drain at least the step work over p
+    (sends, parameter gathers and the bubble only add; recompute only adds compute)."""
+    block = sub.block if sub.block_rc is None else _Part(
+        *(min(a, b) for a, b in zip(sub.block._fields(), sub.block_rc._fields())))
+    whole = sub.embed + block.scale(n_blocks) + sub.head
+    return (whole.batch_seconds + whole.step_seconds) / p
+
+
 def _sub_meshes(n_sub: int, hw: Hardware) -> list[MeshSpec]:
     """1- and 2-axis sub-meshes: a data-like axis and an inner axis inside a node."""
     out = [hw.mesh_spec(("dp",), (n_sub,))]
@@ -315,12 +327,14 @@ def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: Traini
         return None
     pps = [pp] if pp else [d for d in range(2, n_blocks + 1) if n_gpus % d == 0 and n_gpus // d >= 1]
     best: PipelineChoice | None = None
+    bound = float("inf")
     for p in pps:
         subs = [stage_mesh] if stage_mesh is not None else _sub_meshes(n_gpus // p, hw)
         for mesh in subs:
             sub = _price_submesh(pieces, mesh, n_blocks, hw, train, time_limit_s, batch, plan_fn)
             if sub is None:
                 continue
+            bound = min(bound, _work_bound(sub, p, n_blocks))
             rcs = {"none": (False,), "full": (True,), "auto": (False, True)}[train.recompute]
             for m, rc in ((m, rc) for m in _microbatch_counts(batch, p, mesh) for rc in rcs):
                 for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)):
@@ -338,7 +352,8 @@ def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: Traini
         if progress:
             progress(f"pipeline pp={p}: best so far {best.step_seconds * 1e3:,.1f} ms" if best else
                      f"pipeline pp={p}: nothing fits yet")
-    return best
+    # unclipped by best.step_seconds: a valid bound is below it anyway (tests check that)
+    return None if best is None else dataclasses.replace(best, lower_bound_s=bound)
 
 
 def _global_batch(gm: fx.GraphModule) -> int:
@@ -393,7 +408,7 @@ def pipeline_plan(choice: PipelineChoice, gm: fx.GraphModule, n_gpus: int, hw: H
                 comm_s, comm_bytes = max(comm_s, s), sent
     else:
         note = (note + "; " if note else "") + "no stage plans (plan() was given a traced graph: plan the model)"
-    stats = SolverStats("pipeline search + HiGHS per stage", "Optimal", seconds, choice.step_seconds, float("nan"),
+    stats = SolverStats("pipeline search + HiGHS per stage", "Optimal", seconds, choice.step_seconds, choice.lower_bound_s,
                         sum(s.solver.n_variables for s in stage_plans), sum(s.solver.n_constraints for s in stage_plans),
                         sum(s.solver.ilps_solved for s in stage_plans), seconds, note)
     busy = choice.step_seconds - info.bubble_seconds
@@ -448,6 +463,10 @@ def pipeline_if_faster(gm: fx.GraphModule, best: Plan | None, n_gpus: int, hw: H
     choice = search_pipeline(gm, n_gpus, hw, train, budget, plan_fn=plan_fn, progress=progress)
     if choice is None or (best is not None and choice.step_seconds >= best.step_seconds):
         return best
+    if best is not None:  # the bound covers the plans without stages too
+        other = best.solver.lower_bound  # NaN: the plan without stages has no bound, so neither has the union
+        choice = dataclasses.replace(choice, lower_bound_s=min(choice.lower_bound_s, other) if other == other
+                                     else float("nan"))
     note = ("pipeline stages win: " + (f"{choice.step_seconds * 1e3:,.1f} ms vs {best.step_seconds * 1e3:,.1f} ms "
                                        f"without" if best is not None else "nothing fits without them"))
     try:

@@ -47,7 +47,7 @@ from .technique import Pin
 from .techniques.pins import OuterDataAxis
 from .trace import graph_fingerprint, trace
 
-__all__ = ["plan", "STRATEGY_FAMILIES", "candidate_meshes"]
+__all__ = ["plan", "STRATEGY_FAMILIES", "candidate_meshes", "auto_candidates"]
 
 aten = torch.ops.aten
 # every registered technique's families (autopar.techniques), between the search and pipelining
@@ -72,6 +72,12 @@ def candidate_meshes(n: int, hw: Hardware, max_axes: int = 3) -> list[MeshSpec]:
             axes = tuple(f"m{a}" for a in range(k))
             meshes.append(hw.mesh_spec(axes, sizes))
     return meshes or [hw.mesh_spec(("m0",), (1,))]
+
+
+def auto_candidates(n: int, hw: Hardware) -> list[tuple[MeshSpec, "Pin | None"]]:
+    """The meshes ``strategy="auto"`` searches, each with the restriction its plans follow
+    (3-axis meshes: the outermost axis is a data axis, ``OuterDataAxis``)."""
+    return [(m, OuterDataAxis() if m.ndim == 3 else None) for m in candidate_meshes(n, hw)]
 
 
 # --- families: the registered techniques' pins (autopar.techniques) ---------------------------
@@ -105,6 +111,10 @@ class _Solved:
     problem: Problem
     result: SolveResult
     prediction: Prediction
+    # the least step time any plan on any mesh this search covered could take (valid LP or
+    # MIP dual bounds, min over meshes); NaN until the mesh search sets it
+    search_bound: float = math.nan
+    tight_elsewhere: bool = False  # some mesh the search bounded may be limited by memory
 
 
 def _prepare(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: TrainingSpec, pin: Pin | None,
@@ -139,6 +149,7 @@ class _Bound:
     integral: bool
     problem: Problem | None = None
     lp: SolveResult | None = None
+    tight: bool = False  # the LP's rounded plan needs over 90% of the budget: memory may bind
 
 
 def _bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: bool = False
@@ -158,7 +169,8 @@ def _bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: bool = 
         except InfeasibleBudgetError as exc:
             need = min(need, exc.need_bytes)
             continue
-        out.append(_Bound(index, lp.objective_s, lp.integral, problem, lp))
+        tight = evaluate(problem, lp.choice).peak_memory_bytes > 0.9 * budget if budget is not None else False
+        out.append(_Bound(index, lp.objective_s, lp.integral, problem, lp, tight))
         _progress(progress, f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars"
                             f"{', integral' if lp.integral else ''})")
     return out, need, pin_error
@@ -183,12 +195,16 @@ def _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_
     bounded.sort(key=lambda b: (b.objective, b.index))
     best: _Solved | None = None
     solved = 0
+    bound = math.inf  # min over meshes of a valid lower bound on their plans (module doc)
+    unsolved: list[str] = []
     note = "exact over meshes (every other mesh's LP bound is no better)"
-    for b in bounded:
+    for k, b in enumerate(bounded):
         mesh, pin = meshes_and_pins[b.index]
         if best is not None and b.objective >= best.prediction.step_seconds * (1 - 1e-9):
+            bound = min(bound, b.objective)  # the list is sorted: no later mesh is lower
             break  # no plan on this or any later mesh can beat the best one
         if solved >= max_ilps:
+            bound = min(bound, b.objective)
             note = (f"mesh search stopped after {max_ilps} ILPs; unsolved meshes have lower bounds from "
                     f"{b.objective * 1e3:.3f} ms (a bound, not a plan)")
             break
@@ -205,17 +221,42 @@ def _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_
             except InfeasibleBudgetError as exc:
                 infeasible_need = min(infeasible_need, exc.need_bytes)
                 continue
+            except AutoparError:  # the time limit hit before any plan: the mesh keeps its LP bound
+                s = _rounded_lp(mesh, problem, lp, budget)
+                if s is None:
+                    bound = min(bound, b.objective)
+                    unsolved.append(str(mesh))
+                    _progress(progress, f"mesh {mesh}: ILP stopped at its time limit without a plan")
+                    continue
         solved += 1
+        # the ILP's dual bound, never above the LP's (both bound this mesh's plans)
+        bound = min(bound, b.objective, s.result.lower_bound_s if s.result.lower_bound_s == s.result.lower_bound_s
+                    else b.objective)
         _progress(progress, f"mesh {mesh}: {'LP integral' if lp.integral else 'ILP ' + s.result.status} "
                             f"{s.prediction.step_seconds * 1e3:.3f} ms in {s.result.seconds:.1f} s")
         if best is None or s.prediction.step_seconds < best.prediction.step_seconds:
             best = s
+    if unsolved:
+        note += f"; no plan within the time limit on {', '.join(unsolved)} (their LP bounds count)"
     if best is None and math.isfinite(infeasible_need):
         raise InfeasibleBudgetError(
             f"no plan fits the memory budget of {format_bytes(budget)} per device: the smallest any plan needs "
             f"is {format_bytes(infeasible_need)}; raise --memory-budget to at least that, use more devices, "
             f"or shrink the batch or sequence", infeasible_need)
+    if best is not None:
+        best.search_bound = min(bound, best.prediction.step_seconds)
+        best.tight_elsewhere = math.isfinite(infeasible_need) or any(b.tight for b in bounded)
     return best, solved, note
+
+
+def _rounded_lp(mesh, problem, lp: SolveResult, budget) -> "_Solved | None":
+    """The LP solution rounded (each decision's largest option) as a plan, if it fits: the
+    incumbent of a mesh whose ILP stopped at its time limit before finding one."""
+    pred = evaluate(problem, lp.choice)
+    if budget is not None and pred.peak_memory_bytes > budget:
+        return None
+    result = dataclasses.replace(lp, objective_s=pred.step_seconds, status="LP rounded (ILP time limit)")
+    return _Solved(mesh, problem, result, pred)
 
 
 def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequence[Any] = (), *,
@@ -267,7 +308,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
         spec = hw.mesh_spec(spec.axes, spec.sizes)
         candidates = [(spec, None if strategy == "auto" else _pin_for_mesh(strategy, spec, n_gpus, hw))]
     elif strategy == "auto":
-        candidates = [(m, OuterDataAxis() if m.ndim == 3 else None) for m in candidate_meshes(n_gpus, hw)]
+        candidates = auto_candidates(n_gpus, hw)
     else:
         candidates = _family_meshes(strategy, n_gpus, hw)
     with_baselines = baselines and n_gpus > 1
@@ -303,7 +344,8 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
             if strategy == "auto" and mesh is None and b.feasible and b.step_seconds < best.prediction.step_seconds:
                 # A solver limit left the search short of a baseline: never lose to it.
                 fam_best = _search_quiet(gm, _family_meshes(b.name, n_gpus, hw), hw, train, budget, time_limit_s)
-                if fam_best is not None:
+                if fam_best is not None:  # the search's bound still bounds every mesh
+                    fam_best.search_bound = min(best.search_bound, fam_best.prediction.step_seconds)
                     best = fam_best
     else:
         baseline_results = []
@@ -329,23 +371,30 @@ def _search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress
         best, n_solved, note = run(False, helper, candidates)
     except InfeasibleBudgetError as exc:
         best, n_solved, note, error = None, 0, "", exc
-    if best is not None and best.prediction.peak_memory_bytes <= 0.9 * budget:
-        # Memory is not tight. ZeRO-2 could still shorten the optimizer step a little; its ILP
-        # is too slow to try every time (6 s for gpt2 on one mesh), and the zero2 baseline
-        # catches the cases where it is faster (plan() never returns a slower plan).
+    if best is not None and best.prediction.peak_memory_bytes <= 0.9 * budget and not best.tight_elsewhere:
+        # Memory is not tight on any mesh. ZeRO-2 could still shorten the optimizer step a little;
+        # its ILP is too slow to try every time (6 s for gpt2 on one mesh), and the zero2
+        # baseline catches the cases where it is faster (plan() never returns a slower plan).
         return best, n_solved, note
-    _progress(progress, "memory is tight: searching again with ZeRO-2 (split gradients and optimizer state)"
-                        + (" and activation recompute" if train.recompute == "auto" else ""))
-    meshes = candidates
+    # Memory may bind on some mesh, not only on the best one: there ZeRO-2 and recompute can buy
+    # faster layouts, so the first pass's bounds do not bound that mesh's plans (a 7.5B GPT on
+    # 128 A100s: m0=16,m1=2,m2=4 fit loosely, while dp=32,tp=4 with recompute is faster).
+    # Every mesh is bounded again with them: the second pass's bounds hold for both passes.
+    why = "the best plan" if best is None or best.prediction.peak_memory_bytes > 0.9 * budget else "some meshes"
+    _progress(progress, f"memory is tight for {why}: searching again with ZeRO-2 (split gradients and optimizer "
+                        "state)" + (" and activation recompute" if train.recompute == "auto" else ""))
     try:
-        again, n_again, note_again = run(True, None, meshes)
+        again, n_again, note_again = run(True, None, candidates)
     except InfeasibleBudgetError:
         if best is None:
             raise error
         return best, n_solved, note
-    if best is None or (again is not None and again.prediction.step_seconds < best.prediction.step_seconds):
-        return again, n_solved + n_again, note_again
-    return best, n_solved + n_again, note
+    if again is None:
+        return best, n_solved + n_again, note
+    if best is None or again.prediction.step_seconds < best.prediction.step_seconds:
+        return again, n_solved + n_again, note_again + " (with ZeRO-2 and recompute options)"
+    best.search_bound = min(best.search_bound, again.search_bound)
+    return best, n_solved + n_again, note + " (bounds with ZeRO-2 and recompute options)"
 
 
 _BASELINE_FAMILIES = tuple(f.name for f in families.families() if f.baseline)
@@ -376,7 +425,7 @@ _FORKED: tuple | None = None
 def _helper_work(with_baselines: bool) -> tuple[list[_Bound], float, str, list[BaselineResult]]:
     gm, items, hw, train, budget, time_limit_s, progress, n_gpus = _FORKED
     bounds, need, pin_error = _bounds(gm, items, hw, train, budget, time_limit_s, progress)
-    bounds = [_Bound(b.index, b.objective, b.integral) for b in bounds]  # the problems stay here
+    bounds = [_Bound(b.index, b.objective, b.integral, tight=b.tight) for b in bounds]  # the problems stay here
     baselines = _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) if with_baselines else []
     return bounds, need, pin_error, baselines
 
@@ -472,6 +521,16 @@ def _search_quiet(gm, meshes_and_pins, hw, train, budget, time_limit_s):
         return None
 
 
+def _plan_bound(best: _Solved) -> float:
+    """The plan's reported lower bound: over every mesh the search covered (``search_bound``),
+    or, for a single solve, the ILP's own dual bound."""
+    r = best.result
+    own = r.lower_bound_s if r.lower_bound_s == r.lower_bound_s else math.nan
+    if best.search_bound == best.search_bound:
+        return min(best.search_bound, own) if own == own else best.search_bound
+    return own
+
+
 def _to_plan(gm, best: _Solved, hw, train, budget, strategy, baseline_results, n_gpus, model_name, n_solved,
              seconds, search_note) -> Plan:
     problem, choice = best.problem, best.result.choice
@@ -495,7 +554,7 @@ def _to_plan(gm, best: _Solved, hw, train, budget, strategy, baseline_results, n
         optimizer=train.optimizer, mixed_precision=train.mixed_precision, memory_budget_bytes=budget,
         step_seconds=p.step_seconds, compute_seconds=p.compute_seconds, comm_seconds=p.comm_seconds,
         param_state_bytes=p.param_state_bytes, activation_bytes=p.activation_bytes, comm_bytes=p.comm_bytes,
-        solver=SolverStats(r.solver, r.status, r.seconds, r.objective_s, r.lower_bound_s, r.n_variables,
+        solver=SolverStats(r.solver, r.status, r.seconds, r.objective_s, _plan_bound(best), r.n_variables,
                            r.n_constraints, n_solved, seconds, search_note),
         baselines=tuple(baseline_results), nodes=tuple(nodes), graph_fingerprint=graph_fingerprint(gm),
         recompute=chosen_recompute(problem, choice), host_bytes=p.host_bytes, problem=problem, choice=dict(choice),

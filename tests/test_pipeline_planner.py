@@ -77,6 +77,10 @@ def test_pp_pins_and_round_trips():
     assert "pipeline: 4 stages" in text and "bubble" in text and "embeddings" in text and "head" in text
     chosen = autopar.plan(model, 8, inputs, strategy="pp", baselines=False)
     assert chosen.pipeline is not None and chosen.strategy == "pp"
+    # the pipeline search's lower bound holds for every pipeline it covers, the pinned one included
+    bound = chosen.solver.lower_bound
+    assert 0 < bound <= chosen.step_seconds and bound <= pinned.step_seconds, (bound, pinned.step_seconds)
+    assert "gap n/a" not in format_report(chosen)
     with pytest.raises(AutoparError, match="pp axis must come first"):
         autopar.plan(model, 8, inputs, mesh="dp=2,pp=4")
 

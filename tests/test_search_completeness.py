@@ -1,0 +1,72 @@
+"""The mesh search never drops a better mesh: brute force (every candidate mesh's ILP solved to
+optimality, ZeRO-2 and recompute options included) against ``plan()`` on seeded random small
+models and memory budgets. The plan must be within its stated gap of the brute-force best, and
+its reported lower bound must not exceed that best (a bound that is too high would let the
+search stop early)."""
+
+import math
+import random
+
+import pytest
+
+from autopar.cost_model.costs import TrainingSpec
+from autopar.cost_model.evaluate import evaluate
+from autopar.cost_model.hardware import get_hardware
+from autopar.cost_model.ilp import InfeasibleBudgetError, solve
+from autopar.cost_model.problem import build_problem
+from autopar.models import MLPConfig, gpt, mlp
+from autopar.passes.annotate import annotate
+from autopar.planner import auto_candidates, plan
+from autopar.trace import trace
+
+HW = get_hardware("a100-80gb")
+TRAIN = TrainingSpec("adamw", True, "auto", False)  # plan()'s defaults on an A100
+N = 8  # meshes: 8, 2x4, 4x2, 2x2x2
+
+
+def _random_model(rng: random.Random):
+    if rng.random() < 0.5:
+        d = rng.choice([32, 64, 128])
+        return gpt("gpt-tiny", n_layer=rng.choice([2, 3]), n_head=4, n_embd=d, vocab_size=rng.choice([128, 512]),
+                   block_size=64, batch_size=rng.choice([8, 16]), seq_len=rng.choice([16, 32]), device="meta")
+    cfg = MLPConfig(in_features=rng.choice([64, 256]), hidden=rng.choice([256, 1024, 4096]),
+                    out_features=rng.choice([8, 64]), depth=rng.choice([1, 2, 3]))
+    return mlp(cfg, batch_size=rng.choice([8, 64, 1024]), device="meta")
+
+
+def _brute_force(gm, budget):
+    """Best step time over every candidate mesh, each ILP solved to optimality, and the same
+    mesh's plan with the first pass's options (the space plan() searches first)."""
+    best = math.inf
+    for mesh, pin in auto_candidates(N, HW):
+        annotate(gm, mesh)
+        problem = build_problem(gm, mesh, HW, TRAIN, pin, zero2=True)
+        try:
+            r = solve(problem, budget, time_limit_s=120)
+        except InfeasibleBudgetError:
+            continue
+        assert r.status == "Optimal", (mesh, r.status)
+        best = min(best, evaluate(problem, r.choice).step_seconds)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_matches_brute_force_over_meshes(seed):
+    rng = random.Random(seed)
+    model, inputs = _random_model(rng)
+    gm = trace(model, inputs, stack_traces=False)
+    roomy = plan(gm, N, baselines=False, pipeline=False)
+    # a budget that binds on some meshes but not all: a fraction of the fastest plan's memory
+    for fraction in (None, rng.uniform(0.3, 0.8)):
+        budget = None if fraction is None else fraction * roomy.peak_memory_bytes_per_device
+        want = _brute_force(gm, budget)
+        if not math.isfinite(want):
+            with pytest.raises(InfeasibleBudgetError):
+                plan(gm, N, memory_budget_bytes=budget, baselines=False, pipeline=False)
+            continue
+        got = plan(gm, N, memory_budget_bytes=budget, baselines=False, pipeline=False)
+        s = got.solver
+        assert s.lower_bound <= want * (1 + 1e-6), (seed, fraction, s.lower_bound, want, str(got.mesh))
+        # within the stated gap of the best over all meshes (plus the solvers' tolerance)
+        assert got.step_seconds <= want * (1 + 1e-4) + s.gap * got.step_seconds, \
+            (seed, fraction, got.step_seconds, want, s.gap, str(got.mesh), s.mesh_search)
