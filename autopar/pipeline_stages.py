@@ -121,7 +121,7 @@ def plan_stages(micro_gm: fx.GraphModule, stage_blocks: tuple[int, ...], sub: Me
     n = len(gms)
     chunks = []
     for k, (g, p) in enumerate(zip(gms, plans)):
-        per_step = step_sync_bytes(p._problem, p._choice) if p._problem is not None else {}
+        per_step = step_sync_bytes(p.problem, p.choice) if p.problem is not None else {}
         per_micro = {c: b - per_step.get(c, 0.0) for c, b in p.comm_bytes.items() if b - per_step.get(c, 0.0) > 0}
         send, grad = _boundary(g, k == 0, k == n - 1)
         chunks.append(ChunkComm(per_micro, per_step, send, grad, p.comm_seconds))
