@@ -18,9 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -28,16 +26,13 @@ import torch.fx as fx
 from torch import nn
 
 from .cost_model.costs import TrainingSpec
-from .cost_model.evaluate import Prediction, evaluate
 from .cost_model.hardware import Hardware, get_hardware
-from .cost_model.ilp import InfeasibleBudgetError, SolveResult, solve
-from .cost_model.problem import PinError, Problem, build_problem
 from .cost_model.recompute import chosen_recompute
-from .errors import AutoparError, BadArgumentError, format_bytes
+from .errors import AutoparError, BadArgumentError
 from .plan_arguments import check_plan_arguments
 from .mesh import MeshSpec
+from .mesh_search import QUIET, Bound, Progress, Solved, mesh_bounds, plan_bound, search_quiet, search_with_zero2
 from .passes.annotate import annotate
-from .passes.rules import tensor_leaves
 from .pipeline_info import microbatch_inputs
 from .pipeline_search import pinned_pipeline_plan, pipeline_if_faster
 from .plan import BaselineResult, NodePlan, Plan, SolverStats
@@ -103,162 +98,6 @@ def _pin_for_mesh(family: str, spec: MeshSpec, n: int, hw: Hardware) -> Pin:
                        f"(e.g. {options[0][0]}), got {spec}; pass such a mesh or leave the mesh out")
 
 
-# --- solving -------------------------------------------------------------------------------
-
-@dataclass
-class _Solved:
-    mesh: MeshSpec
-    problem: Problem
-    result: SolveResult
-    prediction: Prediction
-    # the least step time any plan on any mesh this search covered could take (valid LP or
-    # MIP dual bounds, min over meshes); NaN until the mesh search sets it
-    search_bound: float = math.nan
-    tight_elsewhere: bool = False  # some mesh the search bounded may be limited by memory
-
-
-def _prepare(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: TrainingSpec, pin: Pin | None,
-             zero2: bool = False) -> Problem:
-    annotate(gm, mesh)
-    # ZeRO-2 options enter the search when memory asks for them (_search_with_zero2) or a family
-    # pins them: releasing gradient all-reduces makes the LP relaxation fractional (gpt2 on 8:
-    # 3 ILPs and 37 s instead of one integral LP in 2 s).
-    return build_problem(gm, mesh, hw, train, pin, zero2=zero2 or (pin is not None and pin.zero2))
-
-
-def _solve(problem: Problem, budget: float | None, time_limit_s: float) -> _Solved:
-    result = solve(problem, budget, time_limit_s=time_limit_s)
-    return _Solved(problem.mesh, problem, result, evaluate(problem, result.choice))
-
-
-_T0 = [0.0]  # when the running plan() started: progress lines show the time since
-
-
-def _progress(enabled: bool, message: str) -> None:
-    if enabled:
-        print(f"  [autopar {time.perf_counter() - _T0[0]:5.1f} s] {message}", file=sys.stderr, flush=True)
-
-
-@dataclass
-class _Bound:
-    """A mesh's LP bound. ``problem`` and ``lp`` are None when a helper process computed it:
-    the problem (fx nodes and all) stays there, and is rebuilt here only if the mesh is solved."""
-
-    index: int
-    objective: float
-    integral: bool
-    problem: Problem | None = None
-    lp: SolveResult | None = None
-    tight: bool = False  # the LP's rounded plan needs over 90% of the budget: memory may bind
-
-
-def _bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: bool = False
-            ) -> tuple[list[_Bound], float, str]:
-    """LP bounds of the meshes ``items`` ((index, (mesh, pin)) pairs), the least memory any
-    infeasible one needs, and why a mesh could not follow its pinned family ("" if none)."""
-    out, need, pin_error = [], math.inf, ""
-    for index, (mesh, pin) in items:
-        try:
-            problem = _prepare(gm, mesh, hw, train, pin, zero2)
-        except PinError as exc:  # e.g. a 3-axis mesh whose data axis exceeds the batch
-            _progress(progress, f"mesh {mesh}: skipped ({exc.short})")
-            pin_error = str(exc)
-            continue
-        try:
-            lp = solve(problem, budget, time_limit_s=time_limit_s, relax=True)
-        except InfeasibleBudgetError as exc:
-            need = min(need, exc.need_bytes)
-            continue
-        tight = evaluate(problem, lp.choice).peak_memory_bytes > 0.9 * budget if budget is not None else False
-        out.append(_Bound(index, lp.objective_s, lp.integral, problem, lp, tight))
-        _progress(progress, f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars"
-                            f"{', integral' if lp.integral else ''})")
-    return out, need, pin_error
-
-
-def _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_ilps: int = 3,
-            helper: "_Helper | None" = None, zero2: bool = False) -> tuple[_Solved | None, int, str]:
-    """Exact search over meshes: LP bounds first, then ILPs in bound order (module doc). An
-    integral LP solution is already the ILP optimum of its mesh and needs no ILP. A
-    ``helper`` process bounds some of the meshes meanwhile (``_Helper``, never with ``zero2``:
-    parameters' ZeRO-2 options, see ``_search_with_zero2``)."""
-    remote = helper.indices if helper is not None else frozenset()
-    items = [(i, mp) for i, mp in enumerate(meshes_and_pins) if i not in remote]
-    bounded, infeasible_need, pin_error = _bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2)
-    if helper is not None:
-        more, need, helper_pin_error = helper.bounds()
-        bounded += more
-        infeasible_need = min(infeasible_need, need)
-        pin_error = pin_error or helper_pin_error
-    if not bounded and pin_error and not math.isfinite(infeasible_need):
-        raise PinError(pin_error)
-    bounded.sort(key=lambda b: (b.objective, b.index))
-    best: _Solved | None = None
-    solved = 0
-    bound = math.inf  # min over meshes of a valid lower bound on their plans (module doc)
-    unsolved: list[str] = []
-    note = "exact over meshes (every other mesh's LP bound is no better)"
-    for k, b in enumerate(bounded):
-        mesh, pin = meshes_and_pins[b.index]
-        if best is not None and b.objective >= best.prediction.step_seconds * (1 - 1e-9):
-            bound = min(bound, b.objective)  # the list is sorted: no later mesh is lower
-            break  # no plan on this or any later mesh can beat the best one
-        if solved >= max_ilps:
-            bound = min(bound, b.objective)
-            note = (f"mesh search stopped after {max_ilps} ILPs; unsolved meshes have lower bounds from "
-                    f"{b.objective * 1e3:.3f} ms (a bound, not a plan)")
-            break
-        if b.problem is None:  # bounded by the helper: build it here (same inputs, same problem)
-            b.problem = _prepare(gm, mesh, hw, train, pin, zero2)
-            b.lp = solve(b.problem, budget, time_limit_s=time_limit_s, relax=True)
-        problem, lp = b.problem, b.lp
-        if lp.integral:
-            s = _Solved(mesh, problem, lp, evaluate(problem, lp.choice))
-        else:
-            try:
-                # the search's ILPs share the time limit: a hard mesh cannot stall the plan
-                s = _solve(problem, budget, time_limit_s / max_ilps)
-            except InfeasibleBudgetError as exc:
-                infeasible_need = min(infeasible_need, exc.need_bytes)
-                continue
-            except AutoparError:  # the time limit hit before any plan: the mesh keeps its LP bound
-                s = _rounded_lp(mesh, problem, lp, budget)
-                if s is None:
-                    bound = min(bound, b.objective)
-                    unsolved.append(str(mesh))
-                    _progress(progress, f"mesh {mesh}: ILP stopped at its time limit without a plan")
-                    continue
-        solved += 1
-        # the ILP's dual bound, never above the LP's (both bound this mesh's plans)
-        bound = min(bound, b.objective, s.result.lower_bound_s if s.result.lower_bound_s == s.result.lower_bound_s
-                    else b.objective)
-        _progress(progress, f"mesh {mesh}: {'LP integral' if lp.integral else 'ILP ' + s.result.status} "
-                            f"{s.prediction.step_seconds * 1e3:.3f} ms in {s.result.seconds:.1f} s")
-        if best is None or s.prediction.step_seconds < best.prediction.step_seconds:
-            best = s
-    if unsolved:
-        note += f"; no plan within the time limit on {', '.join(unsolved)} (their LP bounds count)"
-    if best is None and math.isfinite(infeasible_need):
-        raise InfeasibleBudgetError(
-            f"no plan fits the memory budget of {format_bytes(budget)} per device: the smallest any plan needs "
-            f"is {format_bytes(infeasible_need)}; raise --memory-budget to at least that, use more devices, "
-            f"or shrink the batch or sequence", infeasible_need)
-    if best is not None:
-        best.search_bound = min(bound, best.prediction.step_seconds)
-        best.tight_elsewhere = math.isfinite(infeasible_need) or any(b.tight for b in bounded)
-    return best, solved, note
-
-
-def _rounded_lp(mesh, problem, lp: SolveResult, budget) -> "_Solved | None":
-    """The LP solution rounded (each decision's largest option) as a plan, if it fits: the
-    incumbent of a mesh whose ILP stopped at its time limit before finding one."""
-    pred = evaluate(problem, lp.choice)
-    if budget is not None and pred.peak_memory_bytes > budget:
-        return None
-    result = dataclasses.replace(lp, objective_s=pred.step_seconds, status="LP rounded (ILP time limit)")
-    return _Solved(mesh, problem, result, pred)
-
-
 def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequence[Any] = (), *,
          hardware: str | Hardware = "a100-80gb", mesh: str | MeshSpec | None = None, strategy: str = "auto",
          memory_budget_bytes: float | None = None, optimizer: str = "adamw", mixed_precision: bool | None = None,
@@ -275,7 +114,8 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     ``offload=True`` keeps optimizer state in host memory and steps it there (``cost_model.offload``;
     planned only: the runtime does not run it yet).
     """
-    t0 = _T0[0] = time.perf_counter()
+    t0 = time.perf_counter()
+    say = Progress(progress, t0)
     check_plan_arguments(model, n_gpus, memory_budget_bytes, model_name)
     hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
     if strategy not in STRATEGY_FAMILIES:
@@ -288,7 +128,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     budget = float(memory_budget_bytes) if memory_budget_bytes is not None else float(hw.memory_bytes)
     gm = model if isinstance(model, fx.GraphModule) else trace(model, example_inputs, example_kwargs,
                                                                  stack_traces=False)
-    _progress(progress, f"traced {len(gm.graph.nodes)} nodes")
+    say(f"traced {len(gm.graph.nodes)} nodes")
     if train.recompute == "selective":  # cost_model/recompute.py: not priced inside pipeline stages yet
         pipeline = False
         if strategy == "pp" or (mesh is not None and "pp=" in str(mesh)):
@@ -300,7 +140,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     if strategy == "pp" or (mesh is not None and "pp" in (mesh.axes if isinstance(mesh, MeshSpec) else
                                                          MeshSpec.parse(mesh, n_gpus).axes)):
         return pinned_pipeline_plan(gm, n_gpus, mesh, hw, train, budget, model_name or type(model).__name__, t0,
-                                    plan, micro_graph, (lambda m: _progress(progress, m)))
+                                    plan, micro_graph, say)
 
     if mesh is not None:
         spec = MeshSpec.parse(mesh, n_gpus) if isinstance(mesh, str) else mesh
@@ -312,13 +152,13 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     else:
         candidates = _family_meshes(strategy, n_gpus, hw)
     with_baselines = baselines and n_gpus > 1
-    # recompute="auto" enters the search where memory is tight, as ZeRO-2 does (_search_with_zero2):
+    # recompute="auto" enters the search where memory is tight, as ZeRO-2 does (search_with_zero2):
     # the helper's bounds and the baselines are searched without it
     first_train = dataclasses.replace(train, recompute="none") if train.recompute == "auto" else train
-    helper = (_Helper(gm, candidates, hw, first_train, budget, time_limit_s, progress, n_gpus, with_baselines)
+    helper = (_Helper(gm, candidates, hw, first_train, budget, time_limit_s, say, n_gpus, with_baselines)
               if with_baselines or len(candidates) > 1 else None)
     try:
-        best, n_solved, search_note = _search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
+        best, n_solved, search_note = search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, say,
                                                          helper)
     except AutoparError:  # nothing fits (or the solver gave up): pipeline stages may still fit
         if helper is not None:
@@ -326,7 +166,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
         if strategy != "auto" or mesh is not None or n_gpus == 1 or not pipeline:
             raise
         pipelined = pipeline_if_faster(gm, None, n_gpus, hw, train, budget, model_name or type(model).__name__, t0,
-                                       plan, micro_graph, progress=lambda m: _progress(progress, m))
+                                       plan, micro_graph, progress=say)
         if pipelined is None:
             raise
         return pipelined
@@ -339,11 +179,11 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
 
     if with_baselines:
         baseline_results = helper.baselines()
-        _progress(progress, f"baselines priced: {', '.join(b.name for b in baseline_results)}")
+        say(f"baselines priced: {', '.join(b.name for b in baseline_results)}")
         for b in baseline_results:
             if strategy == "auto" and mesh is None and b.feasible and b.step_seconds < best.prediction.step_seconds:
                 # A solver limit left the search short of a baseline: never lose to it.
-                fam_best = _search_quiet(gm, _family_meshes(b.name, n_gpus, hw), hw, train, budget, time_limit_s)
+                fam_best = search_quiet(gm, _family_meshes(b.name, n_gpus, hw), hw, train, budget, time_limit_s)
                 if fam_best is not None:  # the search's bound still bounds every mesh
                     fam_best.search_bound = min(best.search_bound, fam_best.prediction.step_seconds)
                     best = fam_best
@@ -354,47 +194,8 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
                       model_name or type(model).__name__, n_solved, time.perf_counter() - t0, search_note)
     if strategy == "auto" and mesh is None and n_gpus > 1 and pipeline:
         result = pipeline_if_faster(gm, result, n_gpus, hw, train, budget, result.model, t0, plan, micro_graph,
-                                    tuple(baseline_results), lambda m: _progress(progress, m))
+                                    tuple(baseline_results), say)
     return result
-
-
-def _search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress, helper):
-    """The mesh search without ZeRO-2 options (nor recompute, under ``recompute="auto"``), then,
-    where memory is tight (no plan fits, or the best one uses over 90% of the budget), again
-    with them; the faster plan wins, so they never make a plan slower."""
-    def run(zero2: bool, helper, meshes):
-        spec = train if zero2 or train.recompute != "auto" else dataclasses.replace(train, recompute="none")
-        return _search(gm, meshes, hw, spec, budget, time_limit_s, progress, helper=helper, zero2=zero2)
-
-    error = None
-    try:
-        best, n_solved, note = run(False, helper, candidates)
-    except InfeasibleBudgetError as exc:
-        best, n_solved, note, error = None, 0, "", exc
-    if best is not None and best.prediction.peak_memory_bytes <= 0.9 * budget and not best.tight_elsewhere:
-        # Memory is not tight on any mesh. ZeRO-2 could still shorten the optimizer step a little;
-        # its ILP is too slow to try every time (6 s for gpt2 on one mesh), and the zero2
-        # baseline catches the cases where it is faster (plan() never returns a slower plan).
-        return best, n_solved, note
-    # Memory may bind on some mesh, not only on the best one: there ZeRO-2 and recompute can buy
-    # faster layouts, so the first pass's bounds do not bound that mesh's plans (a 7.5B GPT on
-    # 128 A100s: m0=16,m1=2,m2=4 fit loosely, while dp=32,tp=4 with recompute is faster).
-    # Every mesh is bounded again with them: the second pass's bounds hold for both passes.
-    why = "the best plan" if best is None or best.prediction.peak_memory_bytes > 0.9 * budget else "some meshes"
-    _progress(progress, f"memory is tight for {why}: searching again with ZeRO-2 (split gradients and optimizer "
-                        "state)" + (" and activation recompute" if train.recompute == "auto" else ""))
-    try:
-        again, n_again, note_again = run(True, None, candidates)
-    except InfeasibleBudgetError:
-        if best is None:
-            raise error
-        return best, n_solved, note
-    if again is None:
-        return best, n_solved + n_again, note
-    if best is None or again.prediction.step_seconds < best.prediction.step_seconds:
-        return again, n_solved + n_again, note_again + " (with ZeRO-2 and recompute options)"
-    best.search_bound = min(best.search_bound, again.search_bound)
-    return best, n_solved + n_again, note + " (bounds with ZeRO-2 and recompute options)"
 
 
 _BASELINE_FAMILIES = tuple(f.name for f in families.families() if f.baseline)
@@ -403,7 +204,7 @@ _BASELINE_FAMILIES = tuple(f.name for f in families.families() if f.baseline)
 def _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) -> list[BaselineResult]:
     out = []
     for family in _BASELINE_FAMILIES:
-        fam_best = _search_quiet(gm, _family_meshes(family, n_gpus, hw), hw, train, budget, time_limit_s)
+        fam_best = search_quiet(gm, _family_meshes(family, n_gpus, hw), hw, train, budget, time_limit_s)
         if fam_best is None:
             out.append(BaselineResult(family, "", math.inf, math.inf, False))
             continue
@@ -422,10 +223,10 @@ _BASELINES_WEIGHT = 4.0
 _FORKED: tuple | None = None
 
 
-def _helper_work(with_baselines: bool) -> tuple[list[_Bound], float, str, list[BaselineResult]]:
+def _helper_work(with_baselines: bool) -> tuple[list[Bound], float, str, list[BaselineResult]]:
     gm, items, hw, train, budget, time_limit_s, progress, n_gpus = _FORKED
-    bounds, need, pin_error = _bounds(gm, items, hw, train, budget, time_limit_s, progress)
-    bounds = [_Bound(b.index, b.objective, b.integral, tight=b.tight) for b in bounds]  # the problems stay here
+    bounds, need, pin_error = mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress)
+    bounds = [Bound(b.index, b.objective, b.integral, tight=b.tight) for b in bounds]  # the problems stay here
     baselines = _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) if with_baselines else []
     return bounds, need, pin_error, baselines
 
@@ -493,7 +294,7 @@ class _Helper:
                 self.close()
         gm, hw, train, budget, time_limit_s, n_gpus = self.args
         items = [(i, self.meshes_and_pins[i]) for i in sorted(self.indices)]
-        self._bounds, self._need, self._pin_error = _bounds(gm, items, hw, train, budget, time_limit_s, False)
+        self._bounds, self._need, self._pin_error = mesh_bounds(gm, items, hw, train, budget, time_limit_s, QUIET)
         self._baselines = (_price_baselines(gm, n_gpus, hw, train, budget, time_limit_s)
                            if self.with_baselines else [])
 
@@ -505,7 +306,7 @@ class _Helper:
                 proc.terminate()  # a search that failed here need not wait for the child
             self.pool = None
 
-    def bounds(self) -> tuple[list[_Bound], float, str]:
+    def bounds(self) -> tuple[list[Bound], float, str]:
         self._collect()
         return list(self._bounds), self._need, self._pin_error
 
@@ -514,24 +315,7 @@ class _Helper:
         return self._baselines
 
 
-def _search_quiet(gm, meshes_and_pins, hw, train, budget, time_limit_s):
-    try:  # a baseline family takes its best mesh by LP bound: one ILP per family
-        return _search(gm, meshes_and_pins, hw, train, budget, time_limit_s, False, max_ilps=1)[0]
-    except (InfeasibleBudgetError, PinError):  # over budget, or the family does not apply
-        return None
-
-
-def _plan_bound(best: _Solved) -> float:
-    """The plan's reported lower bound: over every mesh the search covered (``search_bound``),
-    or, for a single solve, the ILP's own dual bound."""
-    r = best.result
-    own = r.lower_bound_s if r.lower_bound_s == r.lower_bound_s else math.nan
-    if best.search_bound == best.search_bound:
-        return min(best.search_bound, own) if own == own else best.search_bound
-    return own
-
-
-def _to_plan(gm, best: _Solved, hw, train, budget, strategy, baseline_results, n_gpus, model_name, n_solved,
+def _to_plan(gm, best: Solved, hw, train, budget, strategy, baseline_results, n_gpus, model_name, n_solved,
              seconds, search_note) -> Plan:
     problem, choice = best.problem, best.result.choice
     nodes = []
@@ -554,7 +338,7 @@ def _to_plan(gm, best: _Solved, hw, train, budget, strategy, baseline_results, n
         optimizer=train.optimizer, mixed_precision=train.mixed_precision, memory_budget_bytes=budget,
         step_seconds=p.step_seconds, compute_seconds=p.compute_seconds, comm_seconds=p.comm_seconds,
         param_state_bytes=p.param_state_bytes, activation_bytes=p.activation_bytes, comm_bytes=p.comm_bytes,
-        solver=SolverStats(r.solver, r.status, r.seconds, r.objective_s, _plan_bound(best), r.n_variables,
+        solver=SolverStats(r.solver, r.status, r.seconds, r.objective_s, plan_bound(best), r.n_variables,
                            r.n_constraints, n_solved, seconds, search_note),
         baselines=tuple(baseline_results), nodes=tuple(nodes), graph_fingerprint=graph_fingerprint(gm),
         recompute=chosen_recompute(problem, choice), host_bytes=p.host_bytes, problem=problem, choice=dict(choice),

@@ -6,7 +6,7 @@ vocab 51200, batch 512) on 128 A100-80GB, the free ``strategy="auto"`` plan agai
     python bench/search_7b.py --pipeline               # let auto try pipeline stages too (slower)
 
 The free plan must be at least as fast as every pinned one. Before the second pass bounded every
-mesh with ZeRO-2 and recompute options (``autopar.planner._search_with_zero2``), auto stopped at
+mesh with ZeRO-2 and recompute options (``autopar.mesh_search.search_with_zero2``), auto stopped at
 m0=16,m1=2,m2=4 (2558 ms) because that mesh fit loosely, while dp=32,tp=4 is faster with them.
 Each plan takes minutes on a 2-core machine (about 1,400 traced nodes, 22 candidate meshes).
 """

@@ -1,0 +1,246 @@
+"""The exact search over candidate meshes (``autopar.planner``'s steps 2 and 3): each mesh's LP
+bound, then ILPs in bound order until no unsolved mesh's bound beats the best plan, and a second
+pass with ZeRO-2 and recompute options where memory may bind. ``Solved`` is a mesh's plan with
+the least step time any plan on any searched mesh could take (``search_bound``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+
+from .cost_model.costs import TrainingSpec
+from .cost_model.evaluate import Prediction, evaluate
+from .cost_model.hardware import Hardware
+from .cost_model.ilp import InfeasibleBudgetError, SolveResult, solve
+from .cost_model.problem import PinError, Problem, build_problem
+from .errors import AutoparError, format_bytes
+from .mesh import MeshSpec
+from .passes.annotate import annotate
+from .technique import Pin
+
+__all__ = ["Progress", "QUIET", "Solved", "Bound", "prepare_problem", "solve_mesh", "mesh_bounds", "search_meshes",
+           "rounded_lp", "search_with_zero2", "search_quiet", "plan_bound"]
+
+
+@dataclass
+class Solved:
+    mesh: MeshSpec
+    problem: Problem
+    result: SolveResult
+    prediction: Prediction
+    # the least step time any plan on any mesh this search covered could take (valid LP or
+    # MIP dual bounds, min over meshes); NaN until the mesh search sets it
+    search_bound: float = math.nan
+    tight_elsewhere: bool = False  # some mesh the search bounded may be limited by memory
+
+
+def prepare_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: TrainingSpec, pin: Pin | None,
+             zero2: bool = False) -> Problem:
+    annotate(gm, mesh)
+    # ZeRO-2 options enter the search when memory asks for them (search_with_zero2) or a family
+    # pins them: releasing gradient all-reduces makes the LP relaxation fractional (gpt2 on 8:
+    # 3 ILPs and 37 s instead of one integral LP in 2 s).
+    return build_problem(gm, mesh, hw, train, pin, zero2=zero2 or (pin is not None and pin.zero2))
+
+
+def solve_mesh(problem: Problem, budget: float | None, time_limit_s: float) -> Solved:
+    result = solve(problem, budget, time_limit_s=time_limit_s)
+    return Solved(problem.mesh, problem, result, evaluate(problem, result.choice))
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Progress lines on stderr (``plan(progress=True)``), each with the time since ``t0``, the
+    start of the plan() call that owns it; ``Progress(False)`` prints nothing."""
+
+    enabled: bool
+    t0: float = 0.0
+
+    def __call__(self, message: str) -> None:
+        if self.enabled:
+            print(f"  [autopar {time.perf_counter() - self.t0:5.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+QUIET = Progress(False)
+
+
+@dataclass
+class Bound:
+    """A mesh's LP bound. ``problem`` and ``lp`` are None when a helper process computed it:
+    the problem (fx nodes and all) stays there, and is rebuilt here only if the mesh is solved."""
+
+    index: int
+    objective: float
+    integral: bool
+    problem: Problem | None = None
+    lp: SolveResult | None = None
+    tight: bool = False  # the LP's rounded plan needs over 90% of the budget: memory may bind
+
+
+def mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: bool = False
+            ) -> tuple[list[Bound], float, str]:
+    """LP bounds of the meshes ``items`` ((index, (mesh, pin)) pairs), the least memory any
+    infeasible one needs, and why a mesh could not follow its pinned family ("" if none)."""
+    out, need, pin_error = [], math.inf, ""
+    for index, (mesh, pin) in items:
+        try:
+            problem = prepare_problem(gm, mesh, hw, train, pin, zero2)
+        except PinError as exc:  # e.g. a 3-axis mesh whose data axis exceeds the batch
+            progress(f"mesh {mesh}: skipped ({exc.short})")
+            pin_error = str(exc)
+            continue
+        try:
+            lp = solve(problem, budget, time_limit_s=time_limit_s, relax=True)
+        except InfeasibleBudgetError as exc:
+            need = min(need, exc.need_bytes)
+            continue
+        tight = evaluate(problem, lp.choice).peak_memory_bytes > 0.9 * budget if budget is not None else False
+        out.append(Bound(index, lp.objective_s, lp.integral, problem, lp, tight))
+        progress(f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars"
+                            f"{', integral' if lp.integral else ''})")
+    return out, need, pin_error
+
+
+def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_ilps: int = 3,
+            helper: "Any" = None, zero2: bool = False) -> tuple[Solved | None, int, str]:
+    """Exact search over meshes: LP bounds first, then ILPs in bound order (module doc). An
+    integral LP solution is already the ILP optimum of its mesh and needs no ILP. A
+    ``helper`` process bounds some of the meshes meanwhile (the planner's forked helper, never with ``zero2``:
+    parameters' ZeRO-2 options, see ``search_with_zero2``)."""
+    remote = helper.indices if helper is not None else frozenset()
+    items = [(i, mp) for i, mp in enumerate(meshes_and_pins) if i not in remote]
+    bounded, infeasible_need, pin_error = mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2)
+    if helper is not None:
+        more, need, helper_pin_error = helper.bounds()
+        bounded += more
+        infeasible_need = min(infeasible_need, need)
+        pin_error = pin_error or helper_pin_error
+    if not bounded and pin_error and not math.isfinite(infeasible_need):
+        raise PinError(pin_error)
+    bounded.sort(key=lambda b: (b.objective, b.index))
+    best: Solved | None = None
+    solved = 0
+    bound = math.inf  # min over meshes of a valid lower bound on their plans (module doc)
+    unsolved: list[str] = []
+    note = "exact over meshes (every other mesh's LP bound is no better)"
+    for k, b in enumerate(bounded):
+        mesh, pin = meshes_and_pins[b.index]
+        if best is not None and b.objective >= best.prediction.step_seconds * (1 - 1e-9):
+            bound = min(bound, b.objective)  # the list is sorted: no later mesh is lower
+            break  # no plan on this or any later mesh can beat the best one
+        if solved >= max_ilps:
+            bound = min(bound, b.objective)
+            note = (f"mesh search stopped after {max_ilps} ILPs; unsolved meshes have lower bounds from "
+                    f"{b.objective * 1e3:.3f} ms (a bound, not a plan)")
+            break
+        if b.problem is None:  # bounded by the helper: build it here (same inputs, same problem)
+            b.problem = prepare_problem(gm, mesh, hw, train, pin, zero2)
+            b.lp = solve(b.problem, budget, time_limit_s=time_limit_s, relax=True)
+        problem, lp = b.problem, b.lp
+        if lp.integral:
+            s = Solved(mesh, problem, lp, evaluate(problem, lp.choice))
+        else:
+            try:
+                # the search's ILPs share the time limit: a hard mesh cannot stall the plan
+                s = solve_mesh(problem, budget, time_limit_s / max_ilps)
+            except InfeasibleBudgetError as exc:
+                infeasible_need = min(infeasible_need, exc.need_bytes)
+                continue
+            except AutoparError:  # the time limit hit before any plan: the mesh keeps its LP bound
+                s = rounded_lp(mesh, problem, lp, budget)
+                if s is None:
+                    bound = min(bound, b.objective)
+                    unsolved.append(str(mesh))
+                    progress(f"mesh {mesh}: ILP stopped at its time limit without a plan")
+                    continue
+        solved += 1
+        # the ILP's dual bound, never above the LP's (both bound this mesh's plans)
+        bound = min(bound, b.objective, s.result.lower_bound_s if s.result.lower_bound_s == s.result.lower_bound_s
+                    else b.objective)
+        progress(f"mesh {mesh}: {'LP integral' if lp.integral else 'ILP ' + s.result.status} "
+                            f"{s.prediction.step_seconds * 1e3:.3f} ms in {s.result.seconds:.1f} s")
+        if best is None or s.prediction.step_seconds < best.prediction.step_seconds:
+            best = s
+    if unsolved:
+        note += f"; no plan within the time limit on {', '.join(unsolved)} (their LP bounds count)"
+    if best is None and math.isfinite(infeasible_need):
+        raise InfeasibleBudgetError(
+            f"no plan fits the memory budget of {format_bytes(budget)} per device: the smallest any plan needs "
+            f"is {format_bytes(infeasible_need)}; raise --memory-budget to at least that, use more devices, "
+            f"or shrink the batch or sequence", infeasible_need)
+    if best is not None:
+        best.search_bound = min(bound, best.prediction.step_seconds)
+        best.tight_elsewhere = math.isfinite(infeasible_need) or any(b.tight for b in bounded)
+    return best, solved, note
+
+
+def rounded_lp(mesh, problem, lp: SolveResult, budget) -> "Solved | None":
+    """The LP solution rounded (each decision's largest option) as a plan, if it fits: the
+    incumbent of a mesh whose ILP stopped at its time limit before finding one."""
+    pred = evaluate(problem, lp.choice)
+    if budget is not None and pred.peak_memory_bytes > budget:
+        return None
+    result = dataclasses.replace(lp, objective_s=pred.step_seconds, status="LP rounded (ILP time limit)")
+    return Solved(mesh, problem, result, pred)
+
+
+def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress, helper):
+    """The mesh search without ZeRO-2 options (nor recompute, under ``recompute="auto"``), then,
+    where memory is tight (no plan fits, or the best one uses over 90% of the budget), again
+    with them; the faster plan wins, so they never make a plan slower."""
+    def run(zero2: bool, helper, meshes):
+        spec = train if zero2 or train.recompute != "auto" else dataclasses.replace(train, recompute="none")
+        return search_meshes(gm, meshes, hw, spec, budget, time_limit_s, progress, helper=helper, zero2=zero2)
+
+    error = None
+    try:
+        best, n_solved, note = run(False, helper, candidates)
+    except InfeasibleBudgetError as exc:
+        best, n_solved, note, error = None, 0, "", exc
+    if best is not None and best.prediction.peak_memory_bytes <= 0.9 * budget and not best.tight_elsewhere:
+        # Memory is not tight on any mesh. ZeRO-2 could still shorten the optimizer step a little;
+        # its ILP is too slow to try every time (6 s for gpt2 on one mesh), and the zero2
+        # baseline catches the cases where it is faster (plan() never returns a slower plan).
+        return best, n_solved, note
+    # Memory may bind on some mesh, not only on the best one: there ZeRO-2 and recompute can buy
+    # faster layouts, so the first pass's bounds do not bound that mesh's plans (a 7.5B GPT on
+    # 128 A100s: m0=16,m1=2,m2=4 fit loosely, while dp=32,tp=4 with recompute is faster).
+    # Every mesh is bounded again with them: the second pass's bounds hold for both passes.
+    why = "the best plan" if best is None or best.prediction.peak_memory_bytes > 0.9 * budget else "some meshes"
+    progress(f"memory is tight for {why}: searching again with ZeRO-2 (split gradients and optimizer "
+                        "state)" + (" and activation recompute" if train.recompute == "auto" else ""))
+    try:
+        again, n_again, note_again = run(True, None, candidates)
+    except InfeasibleBudgetError:
+        if best is None:
+            raise error
+        return best, n_solved, note
+    if again is None:
+        return best, n_solved + n_again, note
+    if best is None or again.prediction.step_seconds < best.prediction.step_seconds:
+        return again, n_solved + n_again, note_again + " (with ZeRO-2 and recompute options)"
+    best.search_bound = min(best.search_bound, again.search_bound)
+    return best, n_solved + n_again, note + " (bounds with ZeRO-2 and recompute options)"
+
+
+def search_quiet(gm, meshes_and_pins, hw, train, budget, time_limit_s):
+    try:  # a baseline family takes its best mesh by LP bound: one ILP per family
+        return search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, QUIET, max_ilps=1)[0]
+    except (InfeasibleBudgetError, PinError):  # over budget, or the family does not apply
+        return None
+
+
+def plan_bound(best: Solved) -> float:
+    """The plan's reported lower bound: over every mesh the search covered (``search_bound``),
+    or, for a single solve, the ILP's own dual bound."""
+    r = best.result
+    own = r.lower_bound_s if r.lower_bound_s == r.lower_bound_s else math.nan
+    if best.search_bound == best.search_bound:
+        return min(best.search_bound, own) if own == own else best.search_bound
+    return own
