@@ -99,25 +99,15 @@ def parallelize_with_inputs(model: nn.Module, n_gpus: int | None, example_inputs
     gm = trace_meta(model, example_inputs, example_kwargs, device_type) if meta else \
         trace(model, example_inputs, example_kwargs)
     if plan is None:
-        text = None
-        if dist.get_rank() == 0:
-            try:
-                # auto pipelines only when asked (pipeline=True): a pipelined model is driven by
-                # pm.step(*batch), not by pm(*batch) and loss.backward()
-                options = dict(plan_options, pipeline=bool(plan_options.get("pipeline", False)))
-                mesh = plan_options.get("mesh")
-                staged = options["pipeline"] or options.get("strategy") == "pp" or "pp" in (
-                    mesh.axes if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh, n).axes if mesh else ())
-                # a pipeline's stage plans are made for one micro-batch: the planner traces the model again
-                text = (make_plan(model, n, example_inputs, model_name=type(model).__name__, **options) if staged
-                        else make_plan(gm, n, model_name=type(model).__name__, **options)).to_json()
-            except Exception as exc:  # every rank must learn of it, or the others wait forever
-                _broadcast_plan(_PLAN_FAILED + f"{type(exc).__name__}: {exc}")
-                raise
-        text = _broadcast_plan(text)
-        if text.startswith(_PLAN_FAILED):
-            raise AutoparError(f"planning on rank 0 failed: {text[len(_PLAN_FAILED):]}")
-        the_plan = Plan.from_json(text)
+        # auto pipelines only when asked (pipeline=True): a pipelined model is driven by
+        # pm.step(*batch), not by pm(*batch) and loss.backward()
+        options = dict(plan_options, pipeline=bool(plan_options.get("pipeline", False)))
+        mesh = plan_options.get("mesh")
+        staged = options["pipeline"] or options.get("strategy") == "pp" or "pp" in (
+            mesh.axes if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh, n).axes if mesh else ())
+        # a pipeline's stage plans are made for one micro-batch: the planner traces the model again
+        the_plan = _plan_on_rank0(lambda: make_plan(model, n, example_inputs, model_name=type(model).__name__, **options)
+                                  if staged else make_plan(gm, n, model_name=type(model).__name__, **options))
     else:
         the_plan = plan if isinstance(plan, Plan) else Plan.from_json(plan)
     if the_plan.n_devices != world:

@@ -67,11 +67,21 @@ def test_optimus_fits_the_speed_model():
     assert (a, c, d) == pytest.approx((3.0, 0.0, 0.0), abs=1e-9)
 
 
+def _allocations(view, out):
+    return {st.job.job_id: (st.alloc, st.job) for st in view.jobs}, out, view.total_gpus
+
+
+def _who_runs(view, out):
+    return view.now, {st.job.job_id for st in view.jobs}, set(out)
+
+
 @dataclass
 class _Recorder:
-    """Wraps a policy; records (view allocations before, decisions) of every round."""
+    """Wraps a policy; records ``what(view, decisions)`` of every round (by default the view's
+    allocations before, the decisions and the cluster size)."""
 
     inner: object
+    what: object = _allocations
     rounds: list = field(default_factory=list)
 
     @property
@@ -84,7 +94,7 @@ class _Recorder:
 
     def schedule(self, view):
         out = self.inner.schedule(view)
-        self.rounds.append(({st.job.job_id: (st.alloc, st.job) for st in view.jobs}, out, view.total_gpus))
+        self.rounds.append(self.what(view, out))
         return out
 
 
@@ -192,26 +202,6 @@ def test_pollux_picks_the_goodput_maximizing_batch():
     assert sorted(a.gpus for a in two.values()) == [1, 2]  # both run; the spare GPU doubles one
 
 
-@dataclass
-class _Recording:
-    """Wraps a policy and records, per round, the time and the jobs it gave GPUs."""
-
-    inner: object
-    rounds: list = field(default_factory=list)
-
-    @property
-    def name(self):
-        return self.inner.name
-
-    @property
-    def interval_s(self):
-        return self.inner.interval_s
-
-    def schedule(self, view):
-        out = self.inner.schedule(view)
-        self.rounds.append((view.now, {st.job.job_id for st in view.jobs}, set(out)))
-        return out
-
 
 def _longest_wait(rounds, job_id: int) -> float:
     """Longest time from a round that left ``job_id`` waiting to the round that gave it GPUs again
@@ -235,10 +225,10 @@ def test_tiresias_promotes_a_starving_job():
     (900 s), and so on; the short jobs still all finish."""
     m = job_model(restart_s=0.0)
     jobs = [job(0, 0.0, 5000.0, gpus=4)] + [job(k + 1, 1000.0 + 500.0 * k, 600.0, gpus=4) for k in range(20)]
-    plain = _Recording(Tiresias(starve_limit_s=None))
+    plain = _Recorder(Tiresias(starve_limit_s=None), _who_runs)
     starved = simulate(jobs, plain, m, 4, devices_per_node=4)
     assert _longest_wait(plain.rounds, 0) >= 11_900.0
-    guarded = _Recording(Tiresias(starve_limit_s=3000.0))
+    guarded = _Recorder(Tiresias(starve_limit_s=3000.0), _who_runs)
     res = simulate(jobs, guarded, m, 4, devices_per_node=4)
     assert 3000.0 < _longest_wait(guarded.rounds, 0) <= 3000.0 + 60.0
     assert sorted(res.jct_s) == list(range(21)) and sorted(starved.jct_s) == list(range(21))
