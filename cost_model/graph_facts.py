@@ -87,7 +87,7 @@ def requires_grad(gm: fx.GraphModule) -> dict[str, bool]:
             ins = tensor_leaves(n.args, n.kwargs, lambda x: isinstance(x, fx.Node))
             needs[n.name] = bool(floating) and any(needs.get(i.name, False) for i in ins)
         else:  # a placeholder: a pipeline stage's input from the previous stage may need grad
-            needs[n.name] = bool(n.meta.get("autoparrequires_grad", False))
+            needs[n.name] = bool(n.meta.get("autopar_requires_grad", False))
     return needs
 
 

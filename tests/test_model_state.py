@@ -16,7 +16,7 @@ from test_runtime import assert_matches_single_process  # noqa: E402
 LAUNCH_CASES = {4: [("two-models", "state_cases:two_models", {})]}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def result(launched):
     return launched(4)["two-models"]
 

@@ -42,7 +42,7 @@ def test_every_rank_ran_every_case(results, report_line):
 
 @pytest.mark.parametrize("case", CASES, ids=[case_key(c) for c in CASES])
 def test_ring_attention_equals_sdpa(case, results):
-    name, _, dtype, _ = case
+    name, _, dtype = case
     per_rank = results[case_key(case)]
     assert [r["group_ranks"] for r in per_rank] == GROUP_RANKS[name]
     for rank, r in enumerate(per_rank):
