@@ -36,7 +36,7 @@ from .passes.annotate import annotate
 from .pipeline_info import microbatch_inputs
 from .pipeline_search import pinned_pipeline_plan, pipeline_if_faster
 from .plan import BaselineResult, NodePlan, Plan, SolverStats
-from . import technique as families
+from .technique import families as registered_families, family as registered_family
 from .techniques import catalog  # noqa: F401 (imports every technique file, so each registers)
 from .technique import Pin
 from .techniques.pins import OuterDataAxis
@@ -46,7 +46,7 @@ __all__ = ["plan", "STRATEGY_FAMILIES", "candidate_meshes", "auto_candidates"]
 
 aten = torch.ops.aten
 # every registered technique's families (autopar.techniques), between the search and pipelining
-STRATEGY_FAMILIES = ("auto",) + tuple(f.name for f in families.families()) + ("pp",)
+STRATEGY_FAMILIES = ("auto",) + tuple(f.name for f in registered_families()) + ("pp",)
 
 
 def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
@@ -79,7 +79,7 @@ def auto_candidates(n: int, hw: Hardware) -> list[tuple[MeshSpec, "Pin | None"]]
 
 def _family_meshes(family: str, n: int, hw: Hardware) -> list[tuple[MeshSpec, Pin]]:
     """The (mesh, pin) candidates of the registered family ``family`` on n devices."""
-    f = families.family(family)
+    f = registered_family(family)
     if f is None:
         raise AutoparError(f"unknown strategy family {family!r}; pick one of {', '.join(STRATEGY_FAMILIES)}")
     return f.meshes(n, hw)
@@ -198,7 +198,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     return result
 
 
-_BASELINE_FAMILIES = tuple(f.name for f in families.families() if f.baseline)
+_BASELINE_FAMILIES = tuple(f.name for f in registered_families() if f.baseline)
 
 
 def _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) -> list[BaselineResult]:

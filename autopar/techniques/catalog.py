@@ -11,7 +11,7 @@ import importlib
 import os
 import pkgutil
 
-from autopar import technique as base
+from autopar.technique import techniques
 
 __all__ = ["NAMES"]
 
@@ -21,4 +21,4 @@ for _info in sorted(pkgutil.iter_modules([os.path.dirname(__file__)]), key=lambd
     if _info.name not in _NOT_TECHNIQUES:
         importlib.import_module(f"{__package__}.{_info.name}")
 
-NAMES = tuple(t.name for t in base.techniques())
+NAMES = tuple(t.name for t in techniques())
