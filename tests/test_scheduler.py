@@ -262,3 +262,30 @@ def test_launch_stop_and_exit_costs_are_charged_where_the_controller_pays_them()
     assert r.jct_s[1] == pytest.approx(998.0 + 600.0 + 2.0)
     with pytest.raises(JobError, match="stop_s"):
         JobModel(m.table, stop_s=-1.0)
+
+
+def test_a_job_exiting_when_its_allocation_changes_is_gone_at_its_finish_not_relaunched():
+    """Job 0 (2 GPUs, 100 s) has done its last step at 100 s and exits until 105 s; job 1 arrives
+    at 101 s and the policy gives job 0 one GPU and job 1 two. As in the real controller, job 0 is
+    not stopped or relaunched (it finishes at 105 s), and job 1 launches once it is gone, with only
+    its own 2 ranks and launcher alive: 3 s + 3 x 1 s."""
+
+    @dataclass
+    class Reshuffle:
+        name: str = "reshuffle"
+        interval_s: float | None = None
+
+        def schedule(self, view):
+            ids = {st.job.job_id for st in view.jobs}
+            out = {1: Allocation(2, 16)} if 1 in ids else {}
+            if 0 in ids:
+                out[0] = Allocation(1 if 1 in ids else 2, 16)
+            return out
+
+    m = job_model(restart_s=3.0)
+    m.launch_s_per_process, m.stop_s, m.exit_s = 1.0, 7.0, 5.0
+    r = simulate([job(0, -6.0, 100.0, gpus=2), job(1, 101.0, 50.0, gpus=2)], Reshuffle(), m, 4,
+                 devices_per_node=4)
+    assert r.jct_s[0] == pytest.approx(6.0 + 100.0 + 5.0)  # launch 3 + 3 x 1 s, 100 s of work, exit
+    assert r.jct_s[1] == pytest.approx(105.0 - 101.0 + 6.0 + 50.0 + 5.0)
+    assert r.restarts == 0

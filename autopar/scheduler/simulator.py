@@ -7,7 +7,9 @@ cluster, powers of two, batches that fit), charges a restart or migration to eve
 allocation changed (:meth:`JobModel.migration_seconds`: no progress while it reloads; the
 launches of a round start together, after the round's stops, ``JobModel.stop_s``), places the
 changed jobs on nodes, and advances every running job at its goodput until the next event. A
-job completes ``JobModel.exit_s`` after its last step (its GPUs are held until then).
+job completes ``JobModel.exit_s`` after its last step (its GPUs are held until then); a policy
+that changes the allocation of such an exiting job gets what the real controller gets: nothing
+to stop or relaunch, the job is gone at its finish and the round's launches wait for it.
 A policy's randomness comes from its own seeded generator, so a run is a function of
 (workload, policy, seed).
 """
@@ -126,21 +128,28 @@ def _check(decisions: dict[int, Allocation], active: dict[int, JobState], view: 
 def _apply(decisions, active, cluster: Cluster, model: JobModel, now: float) -> None:
     changed = []
     stopped = False
+    start = now  # launches of a round start together, after the round's stops (checkpoints) are done
     for job_id, st in active.items():
         new = decisions.get(job_id)
         if new == st.alloc:
             continue
         cluster.release(st.placement)
         st.placement = ()
+        if st.work_done_s is not None:
+            # its last step is behind it and it is exiting: told to stop, it is simply gone at its
+            # finish (nothing to resume; the controller finds it finished), keeps its allocation
+            # until then, and the round's launches wait for it
+            start = max(start, st.work_done_s + model.exit_s)
+            continue
         stopped |= st.alloc is not None and st.paused_until <= now  # one still starting stops at once
         if st.alloc is not None and new is not None or st.alloc is None and new is not None and st.done_work > 0:
             st.restarts += 1
         st.alloc = new
         if new is not None:
             changed.append(st)
-    # launches of a round start together, after the round's stops (checkpoints) are done
-    start = now + (model.stop_s if stopped else 0.0)
-    procs = sum(st.alloc.gpus + 1 for st in active.values() if st.alloc is not None)  # ranks + launchers
+    start = max(start, now + (model.stop_s if stopped else 0.0))
+    # ranks + launchers alive once the round's launches are done (exiting jobs are gone by then)
+    procs = sum(st.alloc.gpus + 1 for st in active.values() if st.alloc is not None and st.work_done_s is None)
     for st in sorted(changed, key=lambda s: (-s.alloc.gpus, s.job.job_id)):  # big jobs first: fewer spans
         st.placement = cluster.place(st.alloc.gpus)
         first = st.start_s is None
@@ -175,10 +184,11 @@ def simulate(jobs: Sequence[Job], policy: Policy, model: JobModel, total_gpus: i
         _apply(decisions, active, cluster, model, now)
         rounds += 1
         running = [st for st in active.values() if st.alloc is not None]
-        timeline.append((now, sum(st.alloc.gpus for st in running), len(running), len(active) - len(running)))
+        timeline.append((now, sum(st.alloc.gpus for st in running if st.placement), len(running),
+                         len(active) - len(running)))
         rates = {st.job.job_id: model.goodput(st.job, st.alloc.gpus, st.alloc.batch, st.spans_nodes) for st in running}
         t_next = pending[i].arrival_s if i < len(pending) else math.inf
-        work_end = {jid: max(now, active[jid].work_done_s) if active[jid].work_done_s is not None else
+        work_end = {jid: active[jid].work_done_s if active[jid].work_done_s is not None else
                     max(now, active[jid].paused_until) + active[jid].remaining / g for jid, g in rates.items()}
         finish = {jid: t + model.exit_s for jid, t in work_end.items()}
         t_next = min([t_next, *finish.values()])
