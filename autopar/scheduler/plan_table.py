@@ -26,10 +26,11 @@ from ..planner import plan
 __all__ = ["build_table", "main"]
 
 
-def _plan_point(name: str, n: int, q: int, spans: bool, hw, seq_len: int | None) -> dict[str, Any]:
+def _plan_point(name: str, n: int, q: int, spans: bool, hw, seq_len: int | None, strategy: str) -> dict[str, Any]:
     model, inputs = get_model(name, batch_size=n * q, seq_len=seq_len, device="meta")
     try:
-        p = plan(model, n, inputs, hardware=hw, baselines=False, pipeline=False, model_name=name)
+        p = plan(model, n, inputs, hardware=hw, baselines=False, pipeline=False, model_name=name,
+                 strategy=strategy if n > 1 else "auto")
         step, mesh = p.step_seconds, str(p.mesh)
     except AutoparError as exc:  # nothing fits in device memory at this batch
         step, mesh = None, f"infeasible: {str(exc)[:80]}"
@@ -38,8 +39,11 @@ def _plan_point(name: str, n: int, q: int, spans: bool, hw, seq_len: int | None)
 
 def build_table(models: Sequence[str], gpu_counts: Sequence[int], per_gpu_batches: Sequence[int],
                 hardware: str = "a100-80gb", seq_len: int | None = None, host_link_bytes_per_s: float = 25e9,
-                progress: bool = True) -> dict[str, Any]:
+                progress: bool = True, strategy: str = "auto") -> dict[str, Any]:
     """Plan every (model, n, per-GPU batch) point, inside a node and spanning nodes; a JSON-ready dict.
+
+    ``strategy`` pins the planner's family (``"dp"`` for jobs that run data parallel, as the real
+    run's workers do); ``"auto"`` takes the best plan.
 
     ``host_link_bytes_per_s`` prices checkpoint traffic on migration (PCIe 4 x16 on A100 hosts,
     about 25 GB/s per direction; see FACTS).
@@ -56,7 +60,8 @@ def build_table(models: Sequence[str], gpu_counts: Sequence[int], per_gpu_batche
             for spans in ((False, True) if 1 < n <= hw.devices_per_node else (n > hw.devices_per_node,)):
                 for q in per_gpu_batches:
                     t0 = time.perf_counter()
-                    pt = _plan_point(name, n, q, spans, spread if spans and n <= hw.devices_per_node else hw, seq_len)
+                    pt = _plan_point(name, n, q, spans, spread if spans and n <= hw.devices_per_node else hw, seq_len,
+                                     strategy)
                     points.append(pt)
                     if progress:
                         print(f"{name} n={n} b={n * q} spans={spans}: {pt['step_seconds']} {pt['mesh']} "
