@@ -1,11 +1,12 @@
 """The scheduler driving real autopar jobs: tiny-GPT jobs as torchrun processes on CPU slots,
 against the simulator's prediction for the same jobs with costs measured beforehand.
 
-    OMP_NUM_THREADS=1 python bench/schedule_real.py [--slots 4] [--steps 120,80,60] [--arrivals 0,0,20]
+    OMP_NUM_THREADS=1 python bench/schedule_real.py [--slots 4] [--steps auto|S0,S1,S2] [--arrivals 0,0,0]
                                                      [--hardware calibrate|PROFILE.json|cpu]
 
 1. The CPU profile: ``autopar calibrate --quick`` on ``--slots`` ranks (or ``--hardware PATH``),
-   and the tiny GPT planned at 1, 2 and 4 ranks on it: the job model's step times.
+   and the tiny GPT planned data parallel (the workers' strategy) at 1, 2 and 4 ranks on it: the
+   job model's step times.
 2. Calibration probes (one job, nothing else of ours running), before and independent of the run:
    a launch on 1 rank stopped after 10 steps, a relaunch on ``--slots`` ranks from the checkpoint
    stopped after 10 more, a relaunch on 2 ranks run to the end. They measure, per launch, the
@@ -15,8 +16,18 @@ against the simulator's prediction for the same jobs with costs measured beforeh
    seconds from a stop to the processes being gone (half a step to reach the step boundary,
    the ``autopar.checkpoint`` save, the exit), and from the last step to the processes gone.
    The controller's poll (``poll_s``) adds half a poll on average to noticing an exit.
-3. Runs the jobs for real under Optimus (GPU counts change, each job's global batch does not),
-   resizing through ``autopar.scheduler.job_checkpoint`` (DCP save, reshard on load).
+3. Runs the jobs for real under Optimus with rounds at arrivals and completions only (GPU counts
+   change, each job's global batch does not), resizing through ``autopar.scheduler.job_checkpoint``
+   (DCP save, reshard on load). The default workload makes the resizes happen whatever the
+   timing noise: three jobs arrive at once on 4 slots; Optimus gives the long job 0 two slots and
+   jobs 1 and 2 one each; short job 1 finishes first and job 2 grows from 1 slot to 2 (both
+   remaining jobs gain from a second slot, so this does not hinge on who has more work left);
+   job 0 finishes while job 2 relaunches, and if the plan says 4 ranks beat 2, job 2 grows again.
+   ``--steps auto`` sizes the jobs from the measured costs and the planned step times so that
+   each job's work is short next to a launch (job 1: a twentieth of the first launch; job 0: job
+   1's work and 1.25 exits; job 2: a tenth of a relaunch left after it grows) -- on
+   CPU slots the planner's step times are the least reliable figure (the run prints measured
+   against planned).
 4. Simulates the same jobs with the same policy on the planned table and the measured costs
    (and, for diagnosis, on the probes' measured step times instead of the planned ones).
 5. Checks every job's loss trajectory against the same job trained alone in one process, and
@@ -119,27 +130,66 @@ def hardware_profile(arg: str, slots: int, tmp: Path) -> str:
     return str(out)
 
 
+class Recorder:
+    """Wraps the policy: every round's time and the GPU counts it decided (sim and real alike)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.interval_s, self.rounds = inner, inner.name, inner.interval_s, []
+
+    def schedule(self, view):
+        out = self.inner.schedule(view)
+        self.rounds.append((round(view.now, 1), {jid: a.gpus for jid, a in sorted(out.items())}))
+        return out
+
+
+def resizes(rounds: list) -> list:
+    """The distinct allocations in order (who holds how many slots), times dropped."""
+    out = []
+    for _, alloc in rounds:
+        if not out or out[-1] != alloc:
+            out.append(alloc)
+    return out
+
+
+def auto_steps(model: JobModel, batch: int) -> list[int]:
+    """Steps for jobs 0, 1, 2 of the default workload, from the measured costs and planned steps.
+
+    Job 1 (1 slot) works a twentieth of the first launch (7 processes: 4 ranks and 3 launchers)
+    and finishes first; job 2 (1 slot) grows to 2 then, with a tenth of a relaunch (6 processes)
+    of work left; job 0 (2 slots) works as long as job 1 plus 1.25 exits, so that it is still
+    working when job 1 is gone (its real steps being slower than planned, more so in the real
+    run) and finishes next, while job 2 is stopped or relaunching. Every job's work is short next to a launch: on
+    shared CPU cores the planned step times are the model's weakest figure."""
+    prof = model.table.model("gpt-tiny")
+    t1, t2 = prof.step_seconds(1, batch), prof.step_seconds(2, batch)
+    first, relaunch = model.launch_seconds(7), model.launch_seconds(6)
+    s1 = max(10, round(first / 20 / t1))
+    w0 = s1 * t1 + 1.25 * model.exit_s
+    s2 = round((s1 * t1 + model.exit_s) / t1 + relaunch / 10 / t2)
+    return [max(round(w0 / t2), s2 + 1), s1, max(s2, s1 + 1)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=int, default=4)
-    ap.add_argument("--steps", default="120,80,60")
-    ap.add_argument("--arrivals", default="0,0,20")
-    ap.add_argument("--requested", default="2,1,1")
+    ap.add_argument("--steps", default="auto", help="'auto' (sized from the measured costs) or S0,S1,S2")
+    ap.add_argument("--arrivals", default="0,0,0")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--interval", type=float, default=30.0)
+    ap.add_argument("--interval", type=float, default=0.0, help="periodic rounds (s); 0: arrivals and "
+                    "completions only")
     ap.add_argument("--poll", type=float, default=0.2)
     ap.add_argument("--hardware", default="calibrate", help="'calibrate' (run autopar calibrate --quick), a "
                     "profile JSON, or a built-in profile name")
     ap.add_argument("--out", default="bench/results/schedule_real.json")
     args = ap.parse_args()
-    steps = [int(x) for x in args.steps.split(",")]
     arrivals = [float(x) for x in args.arrivals.split(",")]
-    requested = [int(x) for x in args.requested.split(",")]
     b = args.batch
+    interval = args.interval or None
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         hw = hardware_profile(args.hardware, args.slots, Path(tmp))
-        raw = build_table(["gpt-tiny"], [1, 2, 4], [b // 4, b // 2, b], hw, seq_len=32, progress=False)
+        raw = build_table(["gpt-tiny"], [1, 2, 4], [b // 4, b // 2, b], hw, seq_len=32, progress=False,
+                          strategy="dp")
         table = ThroughputTable.from_dict(raw)
         costs = measure_costs(Path(tmp), b, args.slots, args.poll)
         planned = {n: table.model("gpt-tiny").step_seconds(n, b) for n in costs["step_s"]}
@@ -150,39 +200,48 @@ def main() -> int:
                           for n in sorted(planned)), flush=True)
         kw = {k: costs[k] for k in ("restart_overhead_s", "launch_s_per_process", "stop_s", "exit_s")}
         model = JobModel(table, **kw)
-        jobs = [Job(i, "gpt-tiny", arrivals[i], float(steps[i] * b), requested[i], b, args.slots, b)
-                for i in range(len(steps))]
+        steps = auto_steps(model, b) if args.steps == "auto" else [int(x) for x in args.steps.split(",")]
+        print(f"steps {steps}, arrivals {arrivals}", flush=True)
+        jobs = [Job(i, "gpt-tiny", arrivals[i], float(steps[i] * b), 1, b, args.slots, b) for i in range(len(steps))]
         specs = [RealJob(j, steps[j.job_id], seed=j.job_id) for j in jobs]
         load_before = os.getloadavg()[0]
-        real = run_real(specs, Optimus(interval_s=args.interval), model, args.slots, Path(tmp) / "run",
-                        poll_s=args.poll)
+        real_policy = Recorder(Optimus(interval_s=interval))
+        real = run_real(specs, real_policy, model, args.slots, Path(tmp) / "run", poll_s=args.poll)
         load_after = os.getloadavg()[0]
-    sim = simulate(jobs, Optimus(interval_s=args.interval), model, args.slots, devices_per_node=args.slots)
-    sim_m = simulate(jobs, Optimus(interval_s=args.interval), JobModel(measured_table(table, costs["step_s"], b), **kw),
+    sim_policy = Recorder(Optimus(interval_s=interval))
+    sim = simulate(jobs, sim_policy, model, args.slots, devices_per_node=args.slots)
+    sim_m = simulate(jobs, Optimus(interval_s=interval), JobModel(measured_table(table, costs["step_s"], b), **kw),
                      args.slots, devices_per_node=args.slots)
+    same = resizes(real_policy.rounds) == resizes(sim_policy.rounds)
+    print(f"allocations (job: slots) real {resizes(real_policy.rounds)}\n"
+          f"                  simulated {resizes(sim_policy.rounds)} ({'the same' if same else 'DIFFERENT'})")
     rows = []
     for j in jobs:
         jid = j.job_id
         ref = alone_losses(jid, steps[jid], b)
         got = [s["loss"] for s in real.steps[jid]]
         worlds = [s["world"] for s in real.steps[jid]]
+        sizes = list(dict.fromkeys(worlds))  # in the order they ran
         diff = max(abs(x - y) for x, y in zip(got, ref)) if len(got) == len(ref) else float("inf")
         err = sim.jct_s[jid] / real.jct_s[jid] - 1
-        rows.append({"job": jid, "steps": len(got), "world_sizes": sorted(set(worlds)),
+        rows.append({"job": jid, "steps": len(got), "world_sizes": sizes,
                      "launches": real.launches[jid], "stops_s": real.stops.get(jid, []),
                      "worker_records": real.workers[jid], "max_loss_diff_vs_alone": diff,
                      "real_jct_s": real.jct_s[jid], "sim_jct_s": sim.jct_s[jid], "sim_error": err,
                      "sim_measured_steps_jct_s": sim_m.jct_s[jid]})
-        print(f"job {jid}: {len(got)} steps on world sizes {sorted(set(worlds))}, {len(real.launches[jid])} launches, "
+        print(f"job {jid}: {len(got)} steps on world sizes {sizes}, {len(real.launches[jid])} launches, "
               f"max |loss - alone| {diff:.2e}; JCT real {real.jct_s[jid]:.1f} s, simulated {sim.jct_s[jid]:.1f} s "
               f"({100 * err:+.0f}%; {sim_m.jct_s[jid]:.1f} s with measured step times)")
-    result = {"hardware": args.hardware, "costs": costs, "planned_step_s": planned, "jobs": rows,
-              "t0_wall": real.t0_wall, "finished_wall": real.finished_wall,
+    result = {"hardware": args.hardware, "costs": costs, "planned_step_s": planned, "steps": steps,
+              "arrivals": arrivals, "real_rounds": real_policy.rounds, "sim_rounds": sim_policy.rounds,
+              "same_allocations": same, "jobs": rows, "t0_wall": real.t0_wall, "finished_wall": real.finished_wall,
               "loadavg_before_after": [load_before, load_after], "wall_s": time.perf_counter() - t_start}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    resized = [r["job"] for r in rows if len(r["world_sizes"]) > 1]
+    print(f"jobs resized through their checkpoint: {resized or 'none'}")
     print(f"written {args.out} ({result['wall_s']:.0f} s; load average {load_before:.0f} -> {load_after:.0f})")
-    ok = all(r["max_loss_diff_vs_alone"] < 1e-4 and abs(r["sim_error"]) <= 0.25 for r in rows)
+    ok = resized and all(r["max_loss_diff_vs_alone"] < 1e-4 and abs(r["sim_error"]) <= 0.25 for r in rows)
     return 0 if ok else 1
 
 
