@@ -18,14 +18,14 @@ against the simulator's prediction for the same jobs with costs measured beforeh
    The controller's poll (``poll_s``) adds half a poll on average to noticing an exit.
 3. Runs the jobs for real under Optimus with rounds at arrivals and completions only (GPU counts
    change, each job's global batch does not), resizing through ``autopar.scheduler.job_checkpoint``
-   (DCP save, reshard on load). The default workload makes the resizes happen whatever the
+   (DCP save, reshard on load). The default workload makes a resize happen with margins against
    timing noise: three jobs arrive at once on 4 slots; Optimus gives the long job 0 two slots and
    jobs 1 and 2 one each; short job 1 finishes first and job 2 grows from 1 slot to 2 (both
-   remaining jobs gain from a second slot, so this does not hinge on who has more work left);
-   job 0 finishes while job 2 relaunches, and if the plan says 4 ranks beat 2, job 2 grows again.
+   remaining jobs gain from a second slot, so this does not hinge on who has more work left).
+   Each job's elastic range is 1-2 slots (``--max-slots``): on 2 cores a job on 4 ranks
+   oversubscribes them (the probes measure its steps at 2-4x the plan's).
    ``--steps auto`` sizes the jobs from the measured costs and the planned step times so that
-   each job's work is short next to a launch (job 1: a twentieth of the first launch; job 0: job
-   1's work and 1.25 exits; job 2: a tenth of a relaunch left after it grows) -- on
+   each job's work is short next to a launch (``auto_steps``) -- on
    CPU slots the planner's step times are the least reliable figure (the run prints measured
    against planned).
 4. Simulates the same jobs with the same policy on the planned table and the measured costs
@@ -155,18 +155,17 @@ def auto_steps(model: JobModel, batch: int) -> list[int]:
     """Steps for jobs 0, 1, 2 of the default workload, from the measured costs and planned steps.
 
     Job 1 (1 slot) works a twentieth of the first launch (7 processes: 4 ranks and 3 launchers)
-    and finishes first; job 2 (1 slot) grows to 2 then, with a tenth of a relaunch (6 processes)
-    of work left; job 0 (2 slots) works as long as job 1 plus 1.25 exits, so that it is still
-    working when job 1 is gone (its real steps being slower than planned, more so in the real
-    run) and finishes next, while job 2 is stopped or relaunching. Every job's work is short next to a launch: on
-    shared CPU cores the planned step times are the model's weakest figure."""
+    and finishes first. Job 2 (1 slot) has 1.5x the work it does at 1 slot until job 1 is gone
+    (job 1's work and an exit), so it is still training when it grows to 2 slots even if its real
+    steps are faster than planned. Job 0 (2 slots) has more steps than job 2 (so Optimus gives it
+    the spare slot at the start) and at least job 1's work and 1.25 exits (so it is still
+    training when job 1 is gone). Every job's work stays short next to a launch: on shared CPU
+    cores the planned step times are the model's weakest figure."""
     prof = model.table.model("gpt-tiny")
     t1, t2 = prof.step_seconds(1, batch), prof.step_seconds(2, batch)
-    first, relaunch = model.launch_seconds(7), model.launch_seconds(6)
-    s1 = max(10, round(first / 20 / t1))
-    w0 = s1 * t1 + 1.25 * model.exit_s
-    s2 = round((s1 * t1 + model.exit_s) / t1 + relaunch / 10 / t2)
-    return [max(round(w0 / t2), s2 + 1), s1, max(s2, s1 + 1)]
+    s1 = max(10, round(model.launch_seconds(7) / 20 / t1))
+    s2 = max(round(1.5 * (s1 * t1 + model.exit_s) / t1), s1 + 1)
+    return [max(round((s1 * t1 + 1.25 * model.exit_s) / t2), s2 + 1), s1, s2]
 
 
 def main() -> int:
@@ -175,6 +174,8 @@ def main() -> int:
     ap.add_argument("--steps", default="auto", help="'auto' (sized from the measured costs) or S0,S1,S2")
     ap.add_argument("--arrivals", default="0,0,0")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-slots", type=int, default=2, help="each job's elastic range is 1..max-slots (on 2 "
+                    "cores, 4 ranks of one job oversubscribe them)")
     ap.add_argument("--interval", type=float, default=0.0, help="periodic rounds (s); 0: arrivals and "
                     "completions only")
     ap.add_argument("--poll", type=float, default=0.2)
@@ -202,7 +203,8 @@ def main() -> int:
         model = JobModel(table, **kw)
         steps = auto_steps(model, b) if args.steps == "auto" else [int(x) for x in args.steps.split(",")]
         print(f"steps {steps}, arrivals {arrivals}", flush=True)
-        jobs = [Job(i, "gpt-tiny", arrivals[i], float(steps[i] * b), 1, b, args.slots, b) for i in range(len(steps))]
+        jobs = [Job(i, "gpt-tiny", arrivals[i], float(steps[i] * b), 1, b, args.max_slots, b)
+                for i in range(len(steps))]
         specs = [RealJob(j, steps[j.job_id], seed=j.job_id) for j in jobs]
         load_before = os.getloadavg()[0]
         real_policy = Recorder(Optimus(interval_s=interval))
