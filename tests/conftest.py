@@ -37,6 +37,28 @@ def launched(request, launches):
     return lambda world: launches.results(request.module, world)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``scripts/test.sh``: ``-n 2 --dist loadgroup``) every test of a module
+    with ``LAUNCH_CASES`` runs on one worker: the session's launches run once each, one after
+    another, while the other worker runs single-process tests on the other core."""
+    for item in items:
+        if item.module is not None and hasattr(item.module, "LAUNCH_CASES"):
+            item.add_marker(pytest.mark.xdist_group("launches"))
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its summary lines go to the controller
+        made = session.config.stash.get(_LAUNCHES, None)
+        workeroutput["autopar_summary"] = session.config.stash.get(_SUMMARY, []) + (made.summary if made else [])
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook, called on the controller as a worker ends
+def pytest_testnodedown(node, error):
+    node.config.stash.setdefault(_SUMMARY, []).extend(getattr(node, "workeroutput", {}).pop("autopar_summary", []))
+
+
 def pytest_terminal_summary(terminalreporter, config):
     made = config.stash.get(_LAUNCHES, None)
     for line in config.stash.get(_SUMMARY, []) + (made.summary if made else []):
