@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 
 import pytest
@@ -37,14 +38,32 @@ def launched(request, launches):
     return lambda world: launches.results(request.module, world)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``scripts/test.sh``: ``-n 2 --dist loadgroup``) every test of a module
-    with ``LAUNCH_CASES`` runs on one worker: the session's launches run once each, one after
-    another, while the other worker runs single-process tests on the other core."""
-    for item in items:
-        if item.module is not None and hasattr(item.module, "LAUNCH_CASES"):
-            item.add_marker(pytest.mark.xdist_group("launches"))
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, on the controller
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``scripts/test.sh``: ``-n 2 --dist loadgroup``) every test module that
+    declares ``LAUNCH_CASES`` runs on one worker: the session's launches run once each, one after
+    another, while the other worker runs the single-process modules on the other core.
+
+    xdist's own loadgroup marks groups by renaming node ids, which pytest 9.2 no longer reads
+    (``Node.nodeid`` comes from ``_id``), so the group is made here: xdist's load-by-scope
+    scheduler with one scope for the launch modules and one per test elsewhere."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    declares: dict[str, bool] = {}
+
+    def launch_module(path: str) -> bool:
+        if path not in declares:
+            text = (config.rootpath / path).read_text() if (config.rootpath / path).is_file() else ""
+            declares[path] = re.search(r"^LAUNCH_CASES\b", text, re.M) is not None
+        return declares[path]
+
+    class LaunchesOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:  # xdist's documented way to define scopes
+            return "launches" if launch_module(nodeid.split("::", 1)[0]) else nodeid
+
+    return LaunchesOnOneWorker(config, log)
 
 
 def pytest_sessionfinish(session):
