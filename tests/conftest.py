@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 
 import pytest
@@ -35,6 +36,52 @@ def launches(request, tmp_path_factory) -> Launches:
 def launched(request, launches):
     """``launched(world)``: this test module's case results at ``world`` gloo ranks."""
     return lambda world: launches.results(request.module, world)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, on the controller
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``scripts/test.sh``: ``-n 2 --dist loadgroup``) every test module that
+    declares ``LAUNCH_CASES`` (or starts process groups of its own) runs on one worker: the
+    session's launches run once each, one after another, while the other worker runs the
+    single-process modules on the other core.
+
+    xdist's own loadgroup marks groups by renaming node ids, which pytest 9.2 no longer reads
+    (``Node.nodeid`` comes from ``_id``), so the group is made here: xdist's load-by-scope
+    scheduler with one scope for the launch modules and one per test elsewhere."""
+    # These start process groups of their own (calibration's timed gloo ranks, torchrun, the
+    # scheduler's real resize run): on the launch worker too, so they never run beside a launch.
+    own_processes = {"tests/test_calibrate.py", "tests/test_resume.py", "tests/test_scheduler_real.py"}
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    declares: dict[str, bool] = {}
+
+    def launch_module(path: str) -> bool:
+        if path in own_processes:
+            return True
+        if path not in declares:
+            text = (config.rootpath / path).read_text() if (config.rootpath / path).is_file() else ""
+            declares[path] = re.search(r"^LAUNCH_CASES\b", text, re.M) is not None
+        return declares[path]
+
+    class LaunchesOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:  # as xdist's own load-by-file scheduler does
+            return "launches" if launch_module(nodeid.split("::", 1)[0]) else nodeid
+
+    return LaunchesOnOneWorker(config, log)
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its summary lines go to the controller
+        made = session.config.stash.get(_LAUNCHES, None)
+        workeroutput["autopar_summary"] = session.config.stash.get(_SUMMARY, []) + (made.summary if made else [])
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook, called on the controller as a worker ends
+def pytest_testnodedown(node, error):
+    node.config.stash.setdefault(_SUMMARY, []).extend(getattr(node, "workeroutput", {}).pop("autopar_summary", []))
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -55,13 +55,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["Case", "Launches", "launch", "run_cases", "scratch_dir"]
+__all__ = ["Case", "Launches", "launch", "run_cases", "scratch_dir", "slowest"]
 
 Case = tuple[str, str, dict]  # (key, "module:function", kwargs)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 SCRATCH_ENV = "AUTOPAR_TEST_SCRATCH"
+SECONDS_FILE = "case_seconds.tsv"  # per launch, next to its results: seconds<TAB>key per case
 
 
 def scratch_dir() -> str:
@@ -74,12 +75,14 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module), name)
 
 
-def run_cases(rank: int, world: int, cases: Iterable[Case]) -> dict[str, Any]:
-    """Run each case on this rank (the gloo group is up); every rank learns every case's errors."""
+def run_cases(rank: int, world: int, cases: Iterable[Case], seconds_path: str | None = None) -> dict[str, Any]:
+    """Run each case on this rank (the gloo group is up); every rank learns every case's errors.
+    With ``seconds_path``, rank 0 appends ``seconds<TAB>key`` per case there (what each case costs)."""
     import torch.distributed as dist
 
     results: dict[str, Any] = {}
     for key, target, kwargs in cases:
+        start = time.perf_counter()
         try:
             value, error = _resolve(target)(rank, world, **kwargs), None
         except Exception as exc:  # reported per case by the test, with its rank
@@ -89,6 +92,9 @@ def run_cases(rank: int, world: int, cases: Iterable[Case]) -> dict[str, Any]:
         dist.all_gather_object(errors, error)
         failed = [e for e in errors if e is not None]
         results[key] = {"error": "\n".join(failed)} if failed else value
+        if seconds_path is not None and rank == 0:
+            with open(seconds_path, "a") as f:
+                f.write(f"{time.perf_counter() - start:.2f}\t{key}\n")
     return results
 
 
@@ -101,7 +107,8 @@ def _rank_main(rank: int, world: int, store_path: str, cases_path: str, out_path
                             timeout=datetime.timedelta(seconds=timeout_s))
     results: dict[str, Any] = {}
     try:
-        results = run_cases(rank, world, torch.load(cases_path, weights_only=False))
+        results = run_cases(rank, world, torch.load(cases_path, weights_only=False),
+                            os.path.join(os.path.dirname(out_path), SECONDS_FILE))
     finally:
         if rank == 0:
             torch.save(results, out_path)
@@ -134,6 +141,16 @@ def launch(world: int, cases: list[Case], workdir: str | os.PathLike, *, scratch
         results.setdefault(key, {"error": f"not run: the launch ended early (exit {proc.returncode}):\n"
                                           f"{proc.stderr[-4000:]}"})
     return results
+
+
+def slowest(workdir: str, n: int = 5) -> str:
+    """The ``n`` slowest cases of the launch in ``workdir`` (from its case_seconds.tsv)."""
+    path = os.path.join(workdir, SECONDS_FILE)
+    if not os.path.exists(path):
+        return "n/a"
+    with open(path) as f:
+        rows = sorted((float(sec), key) for sec, key in (line.rstrip("\n").split("\t", 1) for line in f if line.strip()))
+    return ", ".join(f"{key} {sec:.1f} s" for sec, key in rows[::-1][:n])
 
 
 class Launches:
@@ -172,7 +189,7 @@ class Launches:
                 raise
             files = len({k.split("::")[0] for k, _, _ in self.cases.get(world, [])})
             self.summary.append(f"launch of {world} ranks: {len(self.cases.get(world, []))} cases from {files} test "
-                                f"files in {time.perf_counter() - start:.1f} s")
+                                f"files in {time.perf_counter() - start:.1f} s; slowest: {slowest(workdir)}")
         return self.done[world]
 
     def results(self, module, world: int) -> dict[str, Any]:
