@@ -57,7 +57,7 @@ report import.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch.fx as fx
@@ -69,8 +69,8 @@ from autopar.strategy import Strategy
 if TYPE_CHECKING:  # (types only)
     from autopar.cost_model.reshard import CommStep
 
-__all__ = ["Technique", "Family", "Pin", "PriceContext", "LowerContext", "register", "techniques", "technique",
-           "families", "family", "techniques_for", "tag", "registered"]
+__all__ = ["Technique", "Family", "Pin", "PriceContext", "LowerContext", "Region", "RegionMatch", "register",
+           "techniques", "technique", "families", "family", "techniques_for", "tag", "registered"]
 
 
 class Pin:
@@ -128,6 +128,36 @@ class LowerContext:
 
 
 @dataclass(frozen=True)
+class RegionMatch:
+    """A sub-graph a region technique runs as one call (``Technique.regions`` finds them):
+    ``nodes``, in graph order, the last one the region's only value used outside it; ``inputs``,
+    the values from outside the region, in the order the region's call takes them."""
+
+    nodes: tuple[fx.Node, ...]
+    inputs: tuple[fx.Node, ...]
+
+
+@dataclass(frozen=True)
+class Region:
+    """The target of a collapsed region's node (``passes.regions``): calling it runs the
+    original sub-graph, so a strategy the technique does not run (its ``runs`` says no) is the
+    sub-graph on local tensors. Two regions of the same technique and the same op sequence are
+    equal, so repeated blocks (one MoE layer per transformer block) still share decisions."""
+
+    technique: str  # the registered technique that found it
+    kind: str  # a short name: the node's name and the program's call read ``region_<kind>``
+    signature: tuple[str, ...]  # the targets of the sub-graph's ops, in order
+    graph_module: fx.GraphModule = field(compare=False, hash=False, repr=False)
+
+    @property
+    def __name__(self) -> str:  # the name torch.fx code generation gives the call
+        return f"region_{self.kind}"
+
+    def __call__(self, *args: Any) -> Any:
+        return self.graph_module(*args)
+
+
+@dataclass(frozen=True)
 class Technique:
     """One registered parallel technique (module doc). Every hook is optional:
 
@@ -142,6 +172,11 @@ class Technique:
       repeats); bytes must equal what its runtime kernel sends;
     * ``lower(ctx, node, strategy, args, kwargs) -> fx.Node``: the call replacing the op in the
       per-rank program, with ``args``/``kwargs`` already local tensors;
+    * ``regions(gm) -> list[RegionMatch]``: sub-graphs it runs as one call (a mixture-of-experts
+      block: routing, dispatch, experts, combine); ``passes.regions`` collapses each into one
+      node whose target is a :class:`Region` naming this technique; that node's strategies all
+      come from ``strategies`` (no rule covers it), its collectives from ``price`` and its
+      compute is the sum of the sub-graph's ops;
     * ``families``: the :class:`Family` pins it offers;
     * ``title``: how the report names it; ``report(runs, axis_names) -> str``: the report's
       phrase for a plan where it runs the (node, strategy) pairs ``runs`` (None: not reported);
@@ -155,6 +190,7 @@ class Technique:
     strategies: Callable[[fx.Node, Sequence[Strategy], MeshSpec], list[Strategy]] | None = None
     price: Callable[[PriceContext, fx.Node, Strategy, bool], "list[CommStep]"] | None = None
     lower: Callable[[LowerContext, fx.Node, Strategy, tuple, dict], fx.Node] | None = None
+    regions: Callable[[fx.GraphModule], list[RegionMatch]] | None = None
     families: tuple[Family, ...] = ()
     report: Callable[[list[tuple[fx.Node, Strategy]], Sequence[str]], str] | None = None
     sequence_parallel: bool = False
@@ -208,7 +244,9 @@ def technique(name: str) -> Technique:
 
 
 def techniques_for(op: Any) -> tuple[Technique, ...]:
-    """The techniques that cover ``op`` (a node's target)."""
+    """The techniques that cover ``op`` (a node's target; a :class:`Region`: the one that found it)."""
+    if isinstance(op, Region):
+        return (_TECHNIQUES[op.technique],) if op.technique in _TECHNIQUES else ()
     return _BY_OP.get(op, ())
 
 
@@ -225,7 +263,10 @@ def family(name: str) -> Family | None:
 
 def tag(node: fx.Node, strategies: Sequence[Strategy]) -> tuple[Strategy, ...]:
     """``strategies`` of ``node`` with each one a technique runs carrying its name."""
-    covering = [t for t in techniques_for(node.target) if t.runs is not None]
+    if isinstance(node.target, Region):
+        covering = [t for t in (_TECHNIQUES.get(node.target.technique),) if t is not None and t.runs is not None]
+    else:
+        covering = [t for t in techniques_for(node.target) if t.runs is not None]
     if not covering:
         return tuple(strategies)
     out = []

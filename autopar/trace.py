@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch import nn
 
 from .errors import TraceError
+from .passes.regions import collapse_regions
 from .torch_logs import hold_torch_logs
 
 __all__ = ["trace", "TraceError", "graph_fingerprint"]
@@ -67,7 +68,7 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[
     except TypeError:  # a torch without the option
         gm = exported.module()
     _drop_guards(gm)
-    return gm
+    return collapse_regions(gm)  # regions of registered region techniques become one node each
 
 
 def _check_arguments(model: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -10,6 +10,9 @@ for contractions (gradients of both operands) and about one forward for the rest
 Memory of a strategy is the activation it keeps for backward (its output, unless the op is a
 view); parameters, gradients and optimizer state are priced on parameter nodes
 (:func:`param_state_bytes`), where ZeRO choices act.
+
+A collapsed region (``passes.regions``) costs the sum of its ops' FLOPs, with backward twice
+forward when it holds a contraction.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.distributed.tensor import Shard
 from autopar.errors import BadArgumentError
 from autopar.mesh import MeshSpec
 from autopar.strategy import Layout, Strategy
+from autopar.technique import Region
 
 from .hardware import Hardware
 
@@ -110,7 +114,9 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 
 
 def node_flops(node: fx.Node) -> float:
-    """Forward FLOPs of the whole (unsharded) op."""
+    """Forward FLOPs of the whole (unsharded) op; of a collapsed region, its ops' sum."""
+    if isinstance(node.target, Region):
+        return sum(node_flops(n) for n in node.target.graph_module.graph.nodes)
     if node.op != "call_function" or node.target in _VIEWS:
         return 0.0
     out = _tensors(node)
@@ -157,8 +163,15 @@ def compute_seconds(node: fx.Node, strategy: Strategy, mesh: MeshSpec, hw: Hardw
     fwd += hw.kernel_overhead_s
     if not needs_grad:
         return fwd, 0.0
-    bwd = 2 * fwd if node.target in _CONTRACTIONS or node.target == aten.scaled_dot_product_attention.default else fwd
+    bwd = 2 * fwd if _has_contraction(node) else fwd
     return fwd, bwd
+
+
+def _has_contraction(node: fx.Node) -> bool:
+    """The op (or a collapsed region's op) is a matmul or attention: backward costs twice forward."""
+    if isinstance(node.target, Region):
+        return any(_has_contraction(n) for n in node.target.graph_module.graph.nodes)
+    return node.target in _CONTRACTIONS or node.target == aten.scaled_dot_product_attention.default
 
 
 def activation_bytes(node: fx.Node, strategy: Strategy, mesh: MeshSpec, train: TrainingSpec,

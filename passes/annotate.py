@@ -7,7 +7,9 @@ Writes, per node:
   parameters (``get_attr``) get every layout of ``Shard``/``Replicate`` that divides their
   shape; ``operator.getitem`` of a multi-output op follows its producer's outputs; every op
   gets its rule's expansion, plus the strategies of the registered techniques that cover it
-  (``autopar.techniques``), each strategy a technique runs tagged with its name.
+  (``autopar.techniques``), each strategy a technique runs tagged with its name. A collapsed
+  region (target an ``autopar.technique.Region``, ``passes.regions``) gets the strategies of
+  the technique that found it only.
 * ``node.meta["autopar_fallback"]`` (:data:`FALLBACK_KEY`): ``True`` on an op that has no rule.
   It runs replicated, and one :class:`UnknownOpWarning` per op names it.
 """
@@ -27,7 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.mesh import MeshSpec
 from autopar.strategy import Layout, Strategy
-from autopar.technique import tag, techniques_for
+from autopar.technique import Region, tag, techniques_for
 
 from .rules import expand, get_rule, has_rule, op_name, tensor_info, tensor_leaves
 
@@ -104,7 +106,8 @@ def node_strategies(node: fx.Node, mesh: MeshSpec, cache: dict | None = None) ->
         producer_strategies = producer.meta.get(STRATEGIES_KEY) or ()
         layouts = dict.fromkeys(s.outputs[index] for s in producer_strategies if index < len(s.outputs))
         return tuple(Strategy((l,), (l,)) for l in layouts) or None
-    rule = get_rule(node.target)
+    region = isinstance(node.target, Region)  # a collapsed region: its technique gives every strategy
+    rule = None if region else get_rule(node.target)
     sig = _SIGNATURES.get(node)
     if sig is None:
         sig = _SIGNATURES[node] = _signature_tree(*pytree.tree_map(_val, (node.args, node.kwargs)))
@@ -115,7 +118,7 @@ def node_strategies(node: fx.Node, mesh: MeshSpec, cache: dict | None = None) ->
         return cache[key]
     args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
     ins = [tensor_info(t) for t in tensor_leaves(args, kwargs)]
-    result = tuple(expand(rule.fn(*args, **kwargs), ins, [tensor_info(t) for t in outs], mesh))
+    result = () if rule is None else tuple(expand(rule.fn(*args, **kwargs), ins, [tensor_info(t) for t in outs], mesh))
     for technique in covering:  # e.g. SUMMA's panel-loop linear layer
         if technique.strategies is not None:
             result = result + tuple(technique.strategies(node, result, mesh))
@@ -149,7 +152,8 @@ def annotate(gm: fx.GraphModule, mesh: MeshSpec) -> fx.GraphModule:
     unknown: dict[str, int] = {}
     for node in gm.graph.nodes:
         node.meta.pop(FALLBACK_KEY, None)
-        if node.op == "call_function" and node.target is not operator.getitem and not has_rule(node.target):
+        if node.op == "call_function" and node.target is not operator.getitem and not has_rule(node.target) \
+                and not techniques_for(node.target):
             name = op_name(node.target)
             unknown[name] = unknown.get(name, 0) + 1
             n_in = len(tensor_leaves(node.args, node.kwargs, _is_tensor_node))

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["ExpertAxis", "all_to_all_rows", "exchange_counts", "expert_parallel_moe", "ExpertParallelExperts", "shard_experts",
-           "predict_bytes", "local_expert_range"]
+           "predict_bytes", "local_expert_range", "grouped_experts_moe", "ACTIVATIONS"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,26 @@ def expert_parallel_moe(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, t
     pairs = back[torch.argsort(order)]  # back to (token, slot) order
     weighted = pairs * top_k_weights_TK.reshape(-1, 1).to(pairs.dtype)
     return weighted.view(num_tokens, k, -1).sum(dim=1).to(hidden_TH.dtype)
+
+
+ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu, "relu": nn.functional.relu}
+
+
+def grouped_experts_moe(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor,
+                        gate_up_EOH: torch.Tensor, down_EHI: torch.Tensor, axis_group, num_experts: int,
+                        act: str) -> torch.Tensor:
+    """A Hugging Face MoE block (gated experts ``gate_up_proj [E/ep, 2I, H]``, ``down_proj
+    [E/ep, H, I]``, this rank's) run expert-parallel over ``axis_group`` (an ``AxisGroup``:
+    ``group``, ``size``, ``rank``): the call the planner's lowering emits in place of the block
+    (``autopar/techniques/expert_parallel.py``)."""
+    axis = ExpertAxis(axis_group.group, axis_group.size, axis_group.rank, num_experts)
+    act_fn = ACTIVATIONS[act]
+
+    def expert(e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = nn.functional.linear(x, gate_up_EOH[e]).chunk(2, dim=-1)
+        return nn.functional.linear(act_fn(gate) * up, down_EHI[e])
+
+    return expert_parallel_moe(hidden_TH, top_k_index_TK, top_k_weights_TK, expert, axis)
 
 
 class ExpertParallelExperts(nn.Module):

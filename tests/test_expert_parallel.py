@@ -2,6 +2,8 @@
 experts split over the ranks equals one process, and the all-to-all bytes each rank sends
 equal the prediction from the router's counts."""
 
+import re
+
 import pytest
 import torch
 from ep_cases import BATCH, EPS, LR, SEQ, STEPS, build_mixtral
@@ -10,7 +12,9 @@ from autopar.runtime.expert_parallel import predict_bytes
 
 WORLD = 4
 # Run in the session's shared 4-rank launch (tests/launcher.py).
-LAUNCH_CASES = {WORLD: [("ep", "ep_cases:case_mixtral_ep", {}),
+LAUNCH_CASES = {WORLD: [("planned", "ep_cases:case_mixtral_planned", {}),
+                        ("even", "ep_cases:case_mixtral_planned", {"top_k": 4}),
+                        ("ep", "ep_cases:case_mixtral_ep", {}),
                         ("ep_broken", "ep_cases:case_mixtral_ep", {"break_combine_scale": True}),
                         ("ep_8_experts", "ep_cases:case_mixtral_ep", {"experts": 8})]}
 
@@ -109,38 +113,121 @@ def test_a_wrong_gradient_scale_of_the_experts_is_caught(results, reference):
         _close(r["grads"][name], reference["grads"][name], "expert gradient")
 
 
-# Mixtral-shaped (hidden 4096, 14336 per expert, 8 experts, top-2), 8 MoE layers: 11.3e9 expert
-# parameters, 180 GiB with AdamW replicated - more than an 80 GB device holds.
-MIXTRAL_8L = dict(layers=8, experts=8, top_k=2, hidden=4096, intermediate=14336, dense_params=600_000_000,
-                  tokens_per_device=4096)
+def test_planned_expert_parallel_equals_one_process(results, reference):
+    # autopar.parallelize(model, strategy="ep"): the planner's region, pricing and lowering
+    r = results["planned"]
+    assert "error" not in r, r.get("error")
+    assert r["shard_mismatches"] == []
+    _assert_equal(r, reference)
 
 
-def test_expert_parallel_is_chosen_where_replicated_experts_do_not_fit():
-    from autopar.cost_model.hardware import get_hardware
-    from autopar.techniques.expert_parallel import MoEShape, choose, price
+def test_planned_ranks_hold_only_their_experts_as_the_plan_says(results, reference):
+    r = results["planned"]
+    assert "error" not in r, r.get("error")
+    axes, sizes = r["mesh"]
+    ep_axis = axes.index("ep")
+    experts = reference["config"].num_local_experts
+    # the plan splits every MoE block's experts (inputs 3 and 4 of the region) on the ep axis
+    assert len(r["regions"]) == reference["config"].num_hidden_layers
+    for layouts in r["regions"].values():
+        for layout in layouts[3:]:
+            assert re.findall(r"S\(\d+\)|R|P\(?\w*\)?", layout) == \
+                ["S(0)" if a == ep_axis else "R" for a in range(len(sizes))], layouts
+    for rank_experts in r["experts_per_rank"]:
+        assert len(rank_experts) == 2 * reference["config"].num_hidden_layers
+        for name, (local, whole, dim_axes) in rank_experts.items():
+            assert whole == tuple(reference["params"][name].shape) and whole[0] == experts
+            assert dim_axes == ((ep_axis, 0),) and local == (experts // sizes[ep_axis],) + whole[1:], (name, local)
 
-    hw = get_hardware("a100-80gb")
-    shape = MoEShape(**MIXTRAL_8L)
-    for n in (8, 64):
-        replicated = price(shape, n, hw.intra_node)
-        assert replicated.memory_bytes > hw.memory_bytes  # the premise: experts do not fit replicated
-        best = choose(shape, n, hw.memory_bytes, hw.intra_node)
-        assert best.strategy == "expert_parallel" and best.memory_bytes <= hw.memory_bytes, best
-        assert shape.experts % best.ep == 0 and n % best.ep == 0
-    # A small MoE whose experts fit: the choice is by time, and the data-parallel all-reduce of
-    # tiny expert gradients beats four all-to-alls of every token.
-    tiny = MoEShape(layers=2, experts=4, top_k=2, hidden=16, intermediate=32, dense_params=10_000,
-                    tokens_per_device=65_536)
-    assert choose(tiny, 8, hw.memory_bytes, hw.intra_node).strategy == "replicated"
+
+def _placements(layout: str) -> list[str]:
+    return re.findall(r"S\(\d+\)|R|P\(?\w*\)?", layout)
 
 
-def test_planned_bytes_at_even_routing_match_the_measured_counts_formula():
-    # With every rank's pairs spread evenly over the experts, the capacity price (factor 1)
-    # equals the runtime's per-count prediction exactly.
-    from autopar.techniques.expert_parallel import MoEShape, planned_all_to_all_bytes
+def _token_cuts(r: dict) -> tuple[list[int], list[tuple]]:
+    """Per rank: which piece of the block's tokens it holds (the plan's layout of the region's
+    hidden input, row-major over the axes that split it) and its ep group (its coordinates off
+    the ep axis). The mesh is row-major."""
+    axes, sizes = r["mesh"]
+    ep_axis = axes.index("ep")
+    token_layout = _placements(next(iter(r["regions"].values()))[0])
+    split = [a for a, p in enumerate(token_layout) if p == "S(0)"]
+    world = 1
+    for s in sizes:
+        world *= s
+    pieces, groups = [], []
+    for rank in range(world):
+        coords, rest = [], rank
+        for s in reversed(sizes):
+            coords.append(rest % s)
+            rest //= s
+        coords = coords[::-1]
+        piece = 0
+        for a in split:
+            piece = piece * sizes[a] + coords[a]
+        pieces.append(piece)
+        groups.append(tuple(c for a, c in enumerate(coords) if a != ep_axis))
+    return pieces, groups
 
-    E, ep, tokens, k, H = 4, 4, 8, 2, 16
-    top_k = [torch.arange(tokens * k).remainder(E).view(tokens, k) for _ in range(ep)]
-    shape = MoEShape(layers=1, experts=E, top_k=k, hidden=H, intermediate=32, dense_params=0, tokens_per_device=tokens)
-    for b in predict_bytes(top_k, E, H, 4):
-        assert b["all_to_all"] == planned_all_to_all_bytes(shape, ep)
+
+def test_planned_all_to_all_bytes_on_every_rank(results, reference, report_line):
+    # Top-2 routing is uneven: every rank's bytes equal the prediction from the router's counts
+    # (runtime.expert_parallel.predict_bytes) for the tokens the plan gives it. With every token
+    # routed to every expert (top-4 of 4) routing is even and the plan's capacity price equals
+    # what every rank sends, exactly.
+    r, even = results["planned"], results["even"]
+    assert "error" not in r and "error" not in even, (r.get("error"), even.get("error"))
+    cfg = reference["config"]
+    axes, sizes = r["mesh"]
+    pieces, groups = _token_cuts(r)
+    n_pieces = max(pieces) + 1
+    for step, layers in enumerate(reference["routing"]):
+        predicted = [0.0] * len(pieces)
+        for top_k in layers:
+            cut = list(top_k.split(top_k.shape[0] // n_pieces))
+            for group in sorted(set(groups)):
+                members = [rank for rank in range(len(pieces)) if groups[rank] == group]  # by ep coordinate
+                for rank, b in zip(members, predict_bytes([cut[pieces[m]] for m in members], cfg.num_local_experts,
+                                                          cfg.hidden_size, 4)):
+                    predicted[rank] += b["all_to_all"]
+        measured = [sent[step] for sent in r["sent_per_rank"]]
+        assert measured == pytest.approx(predicted, rel=1e-12), f"step {step}"
+        assert min(measured) > 0
+    plan_bytes = even["predicted"]["all_to_all"]
+    for rank, sent in enumerate(even["sent_per_rank"]):
+        assert sent == [plan_bytes] * STEPS, f"rank {rank}: measured {sent}, plan {plan_bytes}"
+    report_line(f"expert parallel via strategy='ep', tiny Mixtral on {WORLD} ranks (mesh {dict(zip(axes, sizes))}): "
+                f"plan {r['predicted']['all_to_all']:.0f} B all-to-all per rank per step at capacity, measured "
+                f"{[int(s[0]) for s in r['sent_per_rank']]} (top-2); top-4 of 4 (even): plan {plan_bytes:.0f} = measured")
+
+
+# Mixtral-shaped (hidden 4096, 14336 per expert, 8 experts, top-2), 2 MoE layers: 2.8e9 expert
+# parameters, 45 GB with AdamW replicated - more than a 40 GiB budget per device holds.
+MIXTRAL_SHAPED = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                      num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                      max_position_embeddings=512, use_cache=False, attn_implementation="sdpa", router_jitter_noise=0.0)
+
+
+def test_the_planner_picks_expert_parallelism_on_its_own_where_experts_do_not_fit():
+    import warnings
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    import autopar
+    from autopar.models.hf import HFLossWrapper
+
+    with torch.device("meta"):
+        model = HFLossWrapper(MixtralForCausalLM(MixtralConfig(**MIXTRAL_SHAPED)))
+    ids = torch.zeros(8, 512, dtype=torch.long, device="meta")
+    budget = 40 * 2**30
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert experts * 16 > budget  # the premise: AdamW state of replicated experts does not fit
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnknownOpWarning)
+        plan = autopar.plan(model, 8, (ids, ids), hardware="a100-80gb", baselines=False, pipeline=False,
+                            memory_budget_bytes=budget)
+    regions = {n.name: n.input_layouts for n in plan.nodes if n.name.startswith("region_")}
+    assert len(regions) == 2
+    for layouts in regions.values():  # the experts split on some axis, tokens split with them
+        assert all("S(0)" in l for l in layouts[3:]), layouts
+    assert plan.comm_bytes.get("all_to_all", 0) > 0

@@ -21,6 +21,7 @@ from autopar.planner import STRATEGY_FAMILIES
 from autopar import technique as base
 from autopar.techniques import catalog  # noqa: F401 (every technique file registers)
 from autopar.techniques.pins import ClassicPin, GridPin, SequencePin
+from autopar.strategy import Layout, Shard, Strategy
 
 aten = torch.ops.aten
 BUILT_IN = {"data_parallel": {"dp", "zero2", "zero3"}, "megatron": {"megatron", "megatron-sp", "megatron-dp"},
@@ -114,3 +115,74 @@ def test_a_registered_technique_reaches_annotate_and_the_cost_problem():
     autopar.annotate(gm, mesh)
     assert "toy" not in {t.name for t in base.techniques()}
     assert all(s.technique is None for g in gelus for s in g.meta[autopar.STRATEGIES_KEY])
+
+
+class _ReluScale(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.fc(x)) * 3.0)
+
+
+def _toy_kernel(h, group):
+    return torch.relu(h) * 3.0
+
+
+def _toy_region_technique() -> base.Technique:
+    """A region technique: relu then scale run as one call; its token-split strategy is priced
+    with one broadcast and lowered to ``_toy_kernel``."""
+    def regions(gm):
+        out = []
+        for n in gm.graph.nodes:
+            if n.target is aten.relu.default and len(n.users) == 1:
+                (mul,) = n.users
+                if mul.target is aten.mul.Tensor:
+                    out.append(base.RegionMatch((n, mul), (n.args[0],)))
+        return out
+
+    def strategies(node, _, mesh):
+        rep, row = Layout.replicated(1), Layout.interned((Shard(0),))
+        return [Strategy((rep,), (rep,)), Strategy((row,), (row,))]
+
+    return base.Technique(
+        name="toy_region", title="toy region", regions=regions, strategies=strategies,
+        runs=lambda node, s: s.output.codes == (0,),
+        price=lambda ctx, node, s, backward: [CommStep("broadcast", 0, 1000.0)],
+        lower=lambda ctx, node, s, args, kwargs: ctx.graph.call_function(_toy_kernel, (*args, ctx.groups[0])))
+
+
+def test_a_region_technique_collapses_a_sub_graph_prices_it_once_and_lowers_one_call():
+    from autopar.passes.lower import lower
+    from autopar.runtime.collectives import AxisGroup
+
+    model, x = _ReluScale(), torch.randn(4, 8)
+    with base.registered(_toy_region_technique()):
+        gm = autopar.trace(model, (x,))
+        regions = [n for n in gm.graph.nodes if isinstance(n.target, base.Region)]
+        assert len(regions) == 1 and regions[0].target.technique == "toy_region"
+        assert not any(n.target in (aten.relu.default, aten.mul.Tensor) for n in gm.graph.nodes)
+        torch.testing.assert_close(gm(x), model(x))  # the region node runs the original ops
+        hw = get_hardware("a100-80gb")
+        mesh = hw.mesh_spec(("dp",), (2,))
+        autopar.annotate(gm, mesh)
+        region = regions[0]
+        sts = region.meta[autopar.STRATEGIES_KEY]
+        assert [s.technique for s in sts] == [None, "toy_region"]  # the technique's strategies only
+        problem = build_problem(gm, mesh, hw, TrainingSpec())
+        d = next(d for d in problem.decisions.values() if d.node is region)
+        for (st, _), steps, sec in zip(d.options, d.comm_steps, d.seconds):
+            assert [s.collective for s, _ in steps if s.collective == "broadcast"] == \
+                (["broadcast"] if st.technique else [])
+            assert sec > 0  # its ops' compute
+        groups = [AxisGroup("dp", None, 2, 0)]
+        for chosen in sts:
+            picks = {n.name: chosen if n is region else next(
+                s for s in n.meta[autopar.STRATEGIES_KEY] if all(l.is_replicated for l in s.inputs + s.outputs))
+                for n in gm.graph.nodes if autopar.STRATEGIES_KEY in n.meta}
+            program = lower(gm, picks, mesh, groups, model)
+            targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+            assert (_toy_kernel in targets) == (chosen.technique == "toy_region")
+            assert any(isinstance(t, base.Region) for t in targets) == (chosen.technique is None)
+    assert "toy_region" not in {t.name for t in base.techniques()}

@@ -1,139 +1,252 @@
 """Expert parallelism (GShard, arXiv 2006.16668; DeepSpeed-MoE; Switch): the experts of each
-mixture-of-experts layer split over one mesh axis ``ep``, tokens sent to the rank holding their
-expert and back with all-to-all of uneven splits (``runtime.expert_parallel``), every other
-weight as data parallel over the same axis.
+mixture-of-experts block split over one mesh axis, tokens sent to the rank holding their expert
+and back with all-to-all of uneven splits (``runtime.expert_parallel``).
 
-What this file holds, in the technique shape (strategies, pricing, lowering, family, report):
+This file is the whole technique, in the registry's shape (``autopar.technique``):
 
-* **strategies** - per MoE layer: ``replicated`` (every expert on every device, expert gradients
-  all-reduced as data parallel does) or ``expert_parallel`` over an axis of size ``ep``;
-* **pricing** - :func:`price`: memory of expert weights, gradients and AdamW state per device,
-  and the all-to-all bytes per step, from the router's *capacity* (``capacity_factor`` times the
-  even share ``tokens * top_k / E`` per expert; 1.0 = uniform routing) - what the plan can know
-  before running. The runtime's bytes follow the *measured counts* of each batch's routing
-  (``runtime.expert_parallel.predict_bytes``); the test checks those on every rank;
-* **lowering** - :func:`lower`: each experts module becomes ``runtime.expert_parallel``'s
-  ``ExpertParallelExperts`` holding its rank's experts;
-* **family** - :data:`EP_FAMILY` (``strategy="ep"``): experts over one axis of all devices;
-  :func:`choose` picks between the strategies by memory first, then step time.
-
-Not yet on the graph planner: the routing region (top-k .. sort .. grouped matmul .. sum) has
-per-op rules (``passes/rules/ops_routing.py``) but its sort runs whole, so the ILP cannot express
-tokens split on the batch through it; ``choose`` is this technique's own decision, made
-with the cost model's alpha-beta formulas and hardware profiles.
+* **region** - :func:`_regions` finds each Hugging Face MoE block of the traced graph (Mixtral,
+  Qwen-MoE in transformers 5: ``sort`` of the router's top-k experts, ``histc`` + ``cumsum``
+  offsets, two grouped matmuls with an activation between, the router-weighted combine); the
+  region pass collapses it into one node taking (hidden ``[T, H]``, top-k experts ``[T, K]``,
+  top-k weights ``[T, K]``, ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``);
+* **strategies** - :func:`_strategies`: per mesh axis the block is replicated, token-split
+  (experts replicated: data parallel, their gradient all-reduced) or expert-split (tokens and
+  experts split on the axis: this technique), at most one expert axis;
+* **pricing** - :func:`_price`: the all-to-alls on the expert axis per block and step: the
+  counts (``E`` int64) once, then dispatch and combine of every (token, slot) row in forward and
+  again in backward. Bytes come from the router's *capacity* at factor 1 (each rank's
+  ``T_local * K`` rows spread evenly over the experts: ``(ep - 1) / ep`` of them leave the rank),
+  which is what a plan can know before running. The runtime sends the rows the router actually
+  chose (uneven splits); ``runtime.expert_parallel.predict_bytes`` gives those from the measured
+  counts, and the two agree exactly when routing is even (tests/test_expert_parallel.py);
+* **lowering** - :func:`_lower`: the block becomes one call of
+  ``runtime.expert_parallel.grouped_experts_moe`` on this rank's tokens and experts;
+* **family** - ``strategy="ep"`` (``--strategy ep``): experts over one axis ``ep`` (every
+  divisor of the device count; a ``dp`` axis takes the rest), everything else as the search likes.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
-from torch import nn
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
 
-from autopar.cost_model.comm import all_reduce_s, all_to_all_s
-from autopar.errors import BadArgumentError
-from autopar.mesh import Link
-from autopar.runtime.expert_parallel import ExpertAxis, shard_experts
+from autopar.cost_model.problem import PinError
+from autopar.cost_model.reshard import CommStep
+from autopar.runtime.expert_parallel import grouped_experts_moe
+from autopar.strategy import Layout, Strategy
+from autopar.technique import Family, Pin, Region, RegionMatch, Technique, register
 
-__all__ = ["MoEShape", "EPCost", "ExpertParallelFamily", "EP_FAMILY", "price", "choose", "lower", "report", "planned_all_to_all_bytes", "TITLE"]
+__all__ = ["EXPERT_PARALLEL", "ExpertPin", "expert_axis"]
 
-TITLE = "expert parallel (experts split over an axis, tokens by all-to-all)"
-ADAMW_BYTES_PER_PARAM = 16  # fp32 weight, gradient, two moments
+NAME = "expert_parallel"
+aten = torch.ops.aten
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_CASTS = {aten.to.dtype, aten._to_copy.default}
+_ACT_OPS = {aten.silu.default: "silu", aten.gelu.default: "gelu", aten.relu.default: "relu"}
+HIDDEN, INDEX, WEIGHTS, GATE_UP, DOWN = range(5)  # the region's inputs, in order
+
+
+def _through_views(n: fx.Node) -> fx.Node:
+    while n.op == "call_function" and n.target in _VIEWS:
+        n = n.args[0]
+    return n
+
+
+def _is_grouped_mm(n: fx.Node) -> bool:
+    return n.op == "call_function" and "grouped_mm" in str(n.target)
+
+
+def _expert_weight(n: fx.Node) -> fx.Node | None:
+    """The 3-D parameter a grouped matmul reads, as ``transpose(param, -2, -1)``."""
+    if n.op == "call_function" and n.target is aten.transpose.int and n.args[0].op == "get_attr" \
+            and n.args[0].meta["val"].dim() == 3:
+        return n.args[0]
+    return None
+
+
+def _match(gate_up_mm: fx.Node, down_mm: fx.Node) -> RegionMatch | None:
+    """The MoE block around two grouped matmuls sharing their offsets (module doc), or None."""
+    w_gate_up, w_down = _expert_weight(gate_up_mm.args[1]), _expert_weight(down_mm.args[1])
+    gather = gate_up_mm.args[0]
+    while gather.op == "call_function" and (gather.target in _VIEWS or gather.target in _CASTS):
+        gather = gather.args[0]
+    if w_gate_up is None or w_down is None or gather.target is not aten.index.Tensor:
+        return None
+    hidden = gather.args[0]
+    sort = next((n for n in _ancestors(gate_up_mm.args[2], set()) if n.target is aten.sort.default), None)
+    if sort is None:
+        return None
+    index = _through_views(sort.args[0])
+    if not (index.target is operator.getitem and index.args[0].target is aten.topk.default):
+        return None
+    out = _combine(down_mm, hidden)
+    if out is None:
+        return None
+    weights = None
+    for n in _ancestors(out, {hidden, index, w_gate_up, w_down}):
+        if n.target is aten.index.Tensor and n.args[0] is not hidden and n.meta["val"].dim() == 1 \
+                and n.meta["val"].is_floating_point():
+            weights = _through_views(n.args[0])
+    if weights is None or tuple(weights.meta["val"].shape) != tuple(index.meta["val"].shape):
+        return None
+    stops = {hidden, index, weights, w_gate_up, w_down}
+    inside = _ancestors(out, stops) | {out}
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    if any(n.op in ("placeholder", "get_attr") or order[n] < order[weights] for n in inside):
+        return None
+    acts = [n for n in inside if n.target in _ACT_OPS]
+    if len(acts) != 1 or sum(_is_grouped_mm(n) for n in inside) != 2:
+        return None
+    return RegionMatch(tuple(sorted(inside, key=order.__getitem__)), (hidden, index, weights, w_gate_up, w_down))
+
+
+def _ancestors(node: fx.Node, stops: set) -> set:
+    seen, todo = set(), [node]
+    while todo:
+        for i in todo.pop().all_input_nodes:
+            if i not in seen and i not in stops:
+                seen.add(i)
+                todo.append(i)
+    return seen
+
+
+def _combine(down_mm: fx.Node, hidden: fx.Node) -> fx.Node | None:
+    """The first sum after the second grouped matmul whose value has the hidden states' shape."""
+    todo, seen = [down_mm], set()
+    shape = tuple(hidden.meta["val"].shape)
+    while todo:
+        n = todo.pop(0)
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.target is aten.sum.dim_IntList and tuple(u.meta["val"].shape) == shape:
+                return u
+            todo.append(u)
+    return None
+
+
+def _regions(gm: fx.GraphModule) -> list[RegionMatch]:
+    by_offsets: dict[fx.Node, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if _is_grouped_mm(n) and len(n.args) >= 3 and isinstance(n.args[2], fx.Node):
+            by_offsets.setdefault(n.args[2], []).append(n)
+    out = []
+    for mms in by_offsets.values():
+        if len(mms) == 2:
+            match = _match(*mms)
+            if match is not None:
+                out.append(match)
+    return out
+
+
+def _layout(placements) -> Layout:
+    return Layout.interned(tuple(placements))
+
+
+def _strategies(node: fx.Node, _rule: tuple, mesh) -> list[Strategy]:
+    """Per axis: replicated, token-split or expert-split (module doc), at most one expert axis."""
+    tokens = node.args[HIDDEN].meta["val"].shape[0]
+    experts = node.args[GATE_UP].meta["val"].shape[0]
+    out = []
+    for choice in _product("RTE", mesh.ndim):
+        if choice.count("E") > 1:
+            continue
+        split = math.prod(s for c, s in zip(choice, mesh.sizes) if c != "R")
+        ep = math.prod(s for c, s in zip(choice, mesh.sizes) if c == "E")
+        if tokens % split or experts % ep:
+            continue
+        tok = _layout(Replicate() if c == "R" else Shard(0) for c in choice)
+        exp = _layout(Shard(0) if c == "E" else Replicate() for c in choice)
+        out.append(Strategy((tok, tok, tok, exp, exp), (tok,)))
+    return out
+
+
+def _product(letters: str, n: int) -> list[str]:
+    return [""] if n == 0 else [c + rest for c in letters for rest in _product(letters, n - 1)]
+
+
+def expert_axis(strategy: Strategy) -> int | None:
+    """The mesh axis a strategy of the MoE region splits the experts on, or None."""
+    return next((a for a, c in enumerate(strategy.inputs[GATE_UP].codes) if c == 0), None)
+
+
+def _runs(node: fx.Node, strategy: Strategy) -> bool:
+    return expert_axis(strategy) is not None
+
+
+def _price(ctx, node: fx.Node, strategy: Strategy, backward: bool) -> list[CommStep]:
+    axis = expert_axis(strategy)
+    if axis is None:
+        return []
+    hidden = node.args[HIDDEN].meta["val"]
+    top_k = node.args[INDEX].meta["val"].shape[1]
+    experts = node.args[GATE_UP].meta["val"].shape[0]
+    token_split = math.prod(s for c, s in zip(strategy.inputs[HIDDEN].codes, ctx.mesh.sizes) if c == 0)
+    # all_to_all's nbytes is the per-rank buffer, (ep - 1) / ep of which leaves the rank: at
+    # capacity factor 1 that buffer is every (token, slot) row of this rank
+    rows_bytes = ctx.tensor_bytes(hidden) / token_split * top_k
+    passes = 4 if backward and ctx.needs.get(node.name, True) else 2  # dispatch + combine, then their backward
+    return [CommStep("all_to_all", axis, experts * 8.0)] + [CommStep("all_to_all", axis, rows_bytes)] * passes
+
+
+def _activation(node: fx.Node) -> str:
+    region: Region = node.target
+    return next(_ACT_OPS[n.target] for n in region.graph_module.graph.nodes if n.target in _ACT_OPS)
+
+
+def _lower(ctx, node: fx.Node, strategy: Strategy, args: tuple, kwargs: dict) -> fx.Node:
+    axis = expert_axis(strategy)
+    experts = node.args[GATE_UP].meta["val"].shape[0]
+    return ctx.graph.call_function(grouped_experts_moe, (*args, ctx.groups[axis], experts, _activation(node)))
+
+
+def _report(runs: list, axis_names) -> str:
+    axes = sorted({axis_names[expert_axis(s)] for _, s in runs})
+    return f"expert parallel over {', '.join(axes)} ({len(runs)} MoE block{'s' if len(runs) > 1 else ''})"
 
 
 @dataclass(frozen=True)
-class MoEShape:
-    """The sizes that price a mixture-of-experts model (per training step, per device)."""
+class ExpertPin(Pin):
+    """``strategy="ep"``: every MoE block splits its experts over axis ``axis`` (of ``size``
+    devices); every other node is left to the search."""
 
-    layers: int  # MoE layers
-    experts: int
-    top_k: int
-    hidden: int
-    intermediate: int  # per expert
-    dense_params: int  # everything that is not an expert
-    tokens_per_device: int  # batch x sequence on one device
-    itemsize: int = 4
+    axis: int = 0
+    size: int = 1
 
-    @property
-    def expert_params(self) -> int:
-        return self.layers * self.experts * 3 * self.hidden * self.intermediate  # gate, up, down
-
-
-@dataclass(frozen=True)
-class EPCost:
-    strategy: str  # "replicated" or "expert_parallel"
-    ep: int  # devices the experts are split over (1: replicated)
-    memory_bytes: float  # weights + gradients + optimizer state per device
-    all_to_all_bytes: float  # sent per device per step
-    comm_s: float  # expert-related communication per step (all-to-all, or the expert gradient all-reduce)
+    def __call__(self, node: fx.Node, option) -> bool:
+        if not (isinstance(node.target, Region) and node.target.technique == NAME):
+            return True
+        experts = node.args[GATE_UP].meta["val"].shape[0]
+        if experts % self.size:
+            short = f"{experts} experts do not split over ep={self.size}"
+            raise PinError(f"expert parallelism cannot be followed: {short}; pick a device count or an ep axis "
+                           f"that divides {experts}", short)
+        return expert_axis(option[0]) == self.axis
 
 
-@dataclass(frozen=True)
-class ExpertParallelFamily:
-    """``strategy="ep"``: experts split over one axis ``name`` of ``size`` devices."""
-
-    name: str = "ep"
-    description: str = "experts split over one axis, tokens dispatched and combined by all-to-all"
-
-
-EP_FAMILY = ExpertParallelFamily()
+def _meshes(n: int, hw) -> list:
+    out = [(hw.mesh_spec(("ep",), (n,)), ExpertPin(0, n))] if n > 1 else []
+    for ep in range(2, n):
+        if n % ep == 0:
+            out.append((hw.mesh_spec(("dp", "ep"), (n // ep, ep)), ExpertPin(1, ep)))
+    return out
 
 
-def planned_all_to_all_bytes(shape: MoEShape, ep: int, capacity_factor: float = 1.0) -> float:
-    """Bytes one device sends per step: per MoE layer the counts (``E`` int64) once, then
-    dispatch and combine in forward and again in backward, each moving the rows bound for other
-    devices: at most ``capacity_factor * tokens * top_k * (ep - 1) / ep`` (even routing at 1.0)."""
-    if ep == 1:
-        return 0.0
-    rows = capacity_factor * shape.tokens_per_device * shape.top_k * (ep - 1) / ep
-    counts = shape.experts * 8 * (ep - 1) / ep
-    return shape.layers * (counts + 4 * rows * shape.hidden * shape.itemsize)
-
-
-def price(shape: MoEShape, n_devices: int, link: Link, ep: int | None = None,
-          capacity_factor: float = 1.0) -> EPCost:
-    """Per-device memory and expert communication of ``replicated`` (``ep=None``) or of experts
-    split over ``ep`` devices (the rest data parallel over all ``n_devices``)."""
-    dense = shape.dense_params * ADAMW_BYTES_PER_PARAM
-    if ep is None:
-        expert_bytes = shape.expert_params * ADAMW_BYTES_PER_PARAM
-        grad_bytes = shape.expert_params * shape.itemsize
-        return EPCost("replicated", 1, dense + expert_bytes, 0.0, all_reduce_s(grad_bytes, n_devices, link))
-    if ep < 1 or shape.experts % ep or n_devices % ep:
-        raise BadArgumentError(
-            f"expert parallel over ep={ep}: {shape.experts} experts and {n_devices} devices must both divide "
-            f"by it; pick ep from {[d for d in range(1, n_devices + 1) if not shape.experts % d and not n_devices % d]}")
-    local = shape.expert_params // ep
-    a2a = planned_all_to_all_bytes(shape, ep, capacity_factor)
-    # The ep ranks of one expert hold different tokens; copies across n / ep groups all-reduce.
-    sync = all_reduce_s(local * shape.itemsize, n_devices // ep, link) if n_devices > ep else 0.0
-    a2a_s = all_to_all_s(a2a * ep / (ep - 1), ep, link) if ep > 1 else 0.0
-    return EPCost("expert_parallel", ep, dense + local * ADAMW_BYTES_PER_PARAM, a2a, a2a_s + sync)
-
-
-def choose(shape: MoEShape, n_devices: int, memory_bytes: float, link: Link,
-           capacity_factor: float = 1.0) -> EPCost:
-    """The cheapest strategy that fits ``memory_bytes`` per device: replicated, or experts over
-    the largest/fastest ``ep`` that divides both experts and devices."""
-    options = [price(shape, n_devices, link)] + [
-        price(shape, n_devices, link, ep, capacity_factor)
-        for ep in range(2, n_devices + 1) if not shape.experts % ep and not n_devices % ep]
-    fitting = [o for o in options if o.memory_bytes <= memory_bytes]
-    if not fitting:
-        least = min(options, key=lambda o: o.memory_bytes)
-        raise BadArgumentError(
-            f"no expert placement fits {memory_bytes / 2**30:.1f} GiB per device: the least is "
-            f"{least.memory_bytes / 2**30:.1f} GiB ({least.strategy}); use more devices or ZeRO on the dense weights")
-    return min(fitting, key=lambda o: (o.comm_s, o.memory_bytes))
-
-
-def lower(model: nn.Module, axis: ExpertAxis) -> list[str]:
-    """Give each experts module of ``model`` only this rank's experts (the runtime kernel)."""
-    return shard_experts(model, axis)
-
-
-def report(cost: EPCost) -> str:
-    """How the report names a choice."""
-    if cost.strategy == "replicated":
-        return "experts replicated (expert gradients all-reduced)"
-    return f"{TITLE}: ep={cost.ep}, {cost.all_to_all_bytes / 2**20:.1f} MiB all-to-all per device per step"
+EXPERT_PARALLEL = register(Technique(
+    name=NAME,
+    title="expert parallel (experts split over an axis, tokens by all-to-all)",
+    regions=_regions,
+    strategies=_strategies,
+    runs=_runs,
+    price=_price,
+    lower=_lower,
+    report=_report,
+    families=(Family("ep", "experts split over one axis, tokens dispatched and combined by all-to-all", _meshes,
+                     rank=45),),
+))
