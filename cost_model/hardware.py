@@ -54,6 +54,12 @@ class Hardware:
     host_link_bytes_per_s: float = 25e9
     host_memory_bytes: float = 256 * 2**30
     host_adam_params_per_s: float = 1e9
+    # Fraction of the communication the runtime runs asynchronously (bucketed gradient
+    # all-reduces, ZeRO-3 prefetched gathers and reduce-scatters, pipeline sends) that
+    # actually hides behind compute (cost_model/overlap.py). ``autopar calibrate`` measures it
+    # (an all-reduce in flight while matmuls run); on GPUs NCCL runs on its own SMs, and DDP /
+    # FSDP hide most of their traffic; 0.9 is an assumption there, not a measured figure.
+    comm_overlap: float = 0.9
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
@@ -69,6 +75,9 @@ class Hardware:
             raise HardwareError(
                 f"hardware {self.name!r}: kernel_overhead_s must be >= 0, got {self.kernel_overhead_s!r}"
             )
+        if not isinstance(self.comm_overlap, (int, float)) or not 0 <= self.comm_overlap <= 1:
+            raise HardwareError(f"hardware {self.name!r}: comm_overlap must be in [0, 1] (the fraction of "
+                                f"asynchronous communication hidden behind compute), got {self.comm_overlap!r}")
         if not isinstance(self.efficiency, (int, float)) or not 0 < self.efficiency <= 1:
             raise HardwareError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}")
         for link_name in ("intra_node", "inter_node"):
@@ -296,6 +305,9 @@ PROFILES: dict[str, Hardware] = {
         inter_node=Link("gloo-loopback", 1.9e9, 200e-6),  # one box: same as intra (FACTS.md)
         kernel_overhead_s=10e-6,  # rough eager-mode per-op dispatch cost on CPU; calibrate
         efficiency=1.0,  # peak_flops above is already a measured matmul rate
+        # 4 gloo ranks on 2 cores, 1 thread each: an all-reduce in flight beside matmuls took
+        # longer than the two one after the other (autopar calibrate: measured 0, clamped)
+        comm_overlap=0.0,
     ),
 }
 
