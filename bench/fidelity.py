@@ -106,6 +106,11 @@ def _train_step(module, opt, inputs) -> tuple[torch.Tensor, dict]:
     return loss, dict(sent)
 
 
+def _say(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[fidelity] {message}", file=sys.stderr, flush=True)
+
+
 def _predicted(plan) -> dict:
     return dict(mesh=str(plan.mesh), predicted_step_s=plan.step_seconds,
                 predicted_compute_s=plan.compute_seconds, predicted_comm_s=plan.comm_seconds,
@@ -148,13 +153,15 @@ def _rank(rank: int, port: int, names: list[str], quick: bool, hardware: str, ro
                     _train_step(module, opt, inputs)
             runs[name] = (module, opt, inputs)
             records[name] = dict(plan=name, ok=True, peak_bytes=mem.peak_bytes, **_predicted(the_plan))
+            _say(f"{name}: set up and warmed up")
         except Exception as exc:  # every rank fails alike (same plan, same code): record and go on
             records[name] = dict(plan=name, ok=False, error=f"{type(exc).__name__}: {exc}",
                                  traceback=traceback.format_exc()[-2000:])
         dist.barrier()
     times: dict[str, list[float]] = {n: [] for n in runs}
     sent: dict[str, dict] = {}
-    for _ in range(rounds):
+    for k in range(rounds):
+        _say(f"round {k + 1} of {rounds}")
         for name, (module, opt, inputs) in runs.items():
             dist.barrier()
             t0 = time.perf_counter()
@@ -213,6 +220,8 @@ def main() -> None:
     hardware = calibrated_profile(os.path.dirname(os.path.abspath(args.json))) if args.hardware == "calibrate" \
         else args.hardware
     load0 = os.getloadavg()
+    if args.quick and "pp4" in args.plans:  # the quick model has 2 blocks: no 4 stages
+        args.plans.remove("pp4")
     records = run(args.plans, args.quick, hardware, args.rounds or (2 if args.quick else 7))
     figures = plan_fidelity(records)
     print_plan_fidelity(records, figures, hardware)
