@@ -12,6 +12,8 @@ What is measured, on every rank at once (each rank is one "device" of the profil
   elementwise op (its inputs plus its output). A plain copy is measured and printed too.
 - ``kernel_overhead_s``: time per op of back-to-back 1-element adds (dispatch and launch).
 - ``memory_bytes``: device memory (CUDA) or the machine's RAM (CPU; all local ranks share it).
+- ``shared_cores`` (CPU): the cores the ranks share (``os.sched_getaffinity``), so that the
+  pipeline's bubble is priced as the oversubscribed machine runs it (``cost_model/pipeline.py``).
 - ``comm_overlap``: how much of an asynchronous all-reduce hides behind matmuls running at the
   same time (``cost_model/overlap.py`` hides that fraction of the bucketed gradient all-reduces
   and ZeRO-3's prefetched collectives): both alone, then both together, on every rank at once;
@@ -257,6 +259,8 @@ def _build(measured: dict[str, Any], backend: str, name: str | None, links_from:
         kernel_overhead_s=dev.tiny_op_seconds,
         efficiency=1.0,  # measured rates already include kernel efficiency (module docstring)
         comm_overlap=float(overlap) if overlap is not None else (base.comm_overlap if base is not None else 0.0),
+        # CPU ranks share this machine's cores (the rates above are each rank's share of them)
+        shared_cores=float(len(os.sched_getaffinity(0))) if dev.device == "cpu" else 0.0,
     )
     return Calibration(hardware, dev, backend, int(measured["n_ranks"]), int(measured["n_nodes"]), intra, inter,
                        links_from if base is not None else None, seconds,

@@ -19,7 +19,14 @@ Narayanan et al. 2021, arXiv 2104.04473, section 2.2; FACTS.md):
                  backward (their gradients; floating-point tensors only), once per micro-batch,
                  priced on the link the pp axis crosses (``p2p_s``: S/B + a).
 
-Communication does not overlap compute here (as in the rest of the cost model).
+Point-to-point sends do not overlap compute here (``cost_model/overlap.py`` hides only the
+bucketed gradient all-reduces and ZeRO-3's collectives).
+
+Oversubscribed CPU ranks (``Hardware.shared_cores``: more ranks than cores, each rank's
+calibrated rate a share of a core): a rank idle in the bubble hands its share to the busy
+ones, which run up to ``idle_speedup`` faster. The step is then at least the busiest device's
+work (``m`` micro-batches at the all-busy rate) and at least the schedule above run that much
+faster: ``max(m * t_max, step / idle_speedup)`` (1: GPUs, nothing changes).
 """
 
 from __future__ import annotations
@@ -96,8 +103,10 @@ class PipelineCost:
         return max(self.stage_memory_bytes)
 
 
-def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v: int = 1) -> PipelineCost:
-    """Compose ``stages`` (``p * v`` of them, in model order; device k runs k, k + p, ...)."""
+def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v: int = 1,
+                  idle_speedup: float = 1.0) -> PipelineCost:
+    """Compose ``stages`` (``p * v`` of them, in model order; device k runs k, k + p, ...);
+    ``idle_speedup``: ``Hardware.idle_speedup`` of the pipeline's devices (see module doc)."""
     if len(stages) % v:
         raise ValueError(f"{len(stages)} stages do not split into v={v} chunks per device")
     p = len(stages) // v
@@ -117,6 +126,7 @@ def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v:
     else:
         step = (m + (p - 1) / v) * t_max
     ideal = m * t_max
+    step = max(ideal, step / idle_speedup)
     return PipelineCost(schedule, p, m, v, step, bubble_fraction(schedule, p, m, v), step - ideal,
                         tuple(dev_seconds), tuple(dev_memory), p2p)
 

@@ -93,3 +93,18 @@ def test_recompute_composes_with_overlap():
 def test_comm_overlap_outside_zero_one_is_refused(bad):
     with pytest.raises(HardwareError, match="comm_overlap must be in"):
         dataclasses.replace(get_hardware("cpu"), comm_overlap=bad)
+
+
+def test_oversubscribed_cpu_ranks_reclaim_the_pipeline_bubble():
+    """4 one-thread ranks on 2 cores: a rank idle in the bubble hands its share of a core to the
+    busy ones, so a pipeline step is at least the busiest rank's work and at least the schedule
+    run twice as fast; GPUs (no shared cores) keep the plain schedule."""
+    from autopar.cost_model.pipeline import StageCost, pipeline_cost
+    from autopar.mesh import Link
+
+    cpu, gpu = get_hardware("cpu"), get_hardware("a100-80gb")
+    assert (cpu.idle_speedup(4), cpu.idle_speedup(2), cpu.idle_speedup(1), gpu.idle_speedup(8)) == (2.0, 1.0, 1.0, 1.0)
+    stages, link = [StageCost(1.0, 0.0, 0.0)] * 4, Link("x", 1e9, 0.0)
+    assert pipeline_cost(stages, "1f1b", 4, link).step_seconds == pytest.approx(7.0)  # (m + p - 1) t
+    assert pipeline_cost(stages, "1f1b", 4, link, idle_speedup=2.0).step_seconds == pytest.approx(4.0)  # m t: the work
+    assert pipeline_cost(stages, "1f1b", 1, link, idle_speedup=2.0).step_seconds == pytest.approx(2.0)  # 4 t / 2
