@@ -24,9 +24,11 @@ bucketed gradient all-reduces and ZeRO-3's collectives).
 
 Oversubscribed CPU ranks (``Hardware.shared_cores``: more ranks than cores, each rank's
 calibrated rate a share of a core): a rank idle in the bubble hands its share to the busy
-ones, which run up to ``idle_speedup`` faster. The step is then at least the busiest device's
-work (``m`` micro-batches at the all-busy rate) and at least the schedule above run that much
-faster: ``max(m * t_max, step / idle_speedup)`` (1: GPUs, nothing changes).
+ones, which run up to ``idle_speedup`` faster. The step is then bounded by the machine's
+total work (every device's ``m`` micro-batches at the all-busy rate, shared by all of them:
+their mean) and by the schedule above run that much faster:
+``max(m * mean_k t_k, step / idle_speedup)``; with ``idle_speedup`` 1 (GPUs) that is the
+schedule's step unchanged.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v:
     else:
         step = (m + (p - 1) / v) * t_max
     ideal = m * t_max
-    step = max(ideal, step / idle_speedup)
+    step = max(m * sum(dev_seconds) / p, step / idle_speedup)
     return PipelineCost(schedule, p, m, v, step, bubble_fraction(schedule, p, m, v), step - ideal,
                         tuple(dev_seconds), tuple(dev_memory), p2p)
 

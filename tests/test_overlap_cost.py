@@ -97,8 +97,8 @@ def test_comm_overlap_outside_zero_one_is_refused(bad):
 
 def test_oversubscribed_cpu_ranks_reclaim_the_pipeline_bubble():
     """4 one-thread ranks on 2 cores: a rank idle in the bubble hands its share of a core to the
-    busy ones, so a pipeline step is at least the busiest rank's work and at least the schedule
-    run twice as fast; GPUs (no shared cores) keep the plain schedule."""
+    busy ones, so a pipeline step is at least the machine's work shared by all ranks and at least
+    the schedule run twice as fast; GPUs (no shared cores) keep the plain schedule."""
     from autopar.cost_model.pipeline import StageCost, pipeline_cost
     from autopar.mesh import Link
 
@@ -108,3 +108,7 @@ def test_oversubscribed_cpu_ranks_reclaim_the_pipeline_bubble():
     assert pipeline_cost(stages, "1f1b", 4, link).step_seconds == pytest.approx(7.0)  # (m + p - 1) t
     assert pipeline_cost(stages, "1f1b", 4, link, idle_speedup=2.0).step_seconds == pytest.approx(4.0)  # m t: the work
     assert pipeline_cost(stages, "1f1b", 1, link, idle_speedup=2.0).step_seconds == pytest.approx(2.0)  # 4 t / 2
+    uneven = [StageCost(1.0, 0.0, 0.0)] * 3 + [StageCost(3.0, 0.0, 0.0)]  # a heavy last stage (the head)
+    assert pipeline_cost(uneven, "1f1b", 4, link).step_seconds == pytest.approx(3 * 3.0 + 6.0)
+    # the light stages' idle time goes to the heavy one: (9 + 6) / 2, more than the mean work 4 * 1.5
+    assert pipeline_cost(uneven, "1f1b", 4, link, idle_speedup=2.0).step_seconds == pytest.approx(7.5)
