@@ -12,6 +12,12 @@ What is measured, on every rank at once (each rank is one "device" of the profil
   elementwise op (its inputs plus its output). A plain copy is measured and printed too.
 - ``kernel_overhead_s``: time per op of back-to-back 1-element adds (dispatch and launch).
 - ``memory_bytes``: device memory (CUDA) or the machine's RAM (CPU; all local ranks share it).
+- ``shared_cores`` (CPU): the cores the ranks share (``os.sched_getaffinity``), so that the
+  pipeline's bubble is priced as the oversubscribed machine runs it (``cost_model/pipeline.py``).
+- ``comm_overlap``: how much of an asynchronous all-reduce hides behind matmuls running at the
+  same time (``cost_model/overlap.py`` hides that fraction of the bucketed gradient all-reduces
+  and ZeRO-3's prefetched collectives): both alone, then both together, on every rank at once;
+  the median over ranks. One rank cannot measure it: it comes from ``links_from`` then.
 - ``intra_node`` / ``inter_node`` links: all-reduce and all-gather times over message sizes
   from KiBs to MiBs (up to 8 MiB on CPU, 512 MiB on CUDA), fitted by least squares on
   *relative* error (small and large messages weigh the same) to the ring formulas of
@@ -128,6 +134,7 @@ class Calibration:
     inter: LinkFit | None  # None: one node (inter copies intra), or links copied
     links_from: str | None
     seconds: float
+    comm_overlap: float | None = None  # measured; None: copied from links_from
 
 
 # ------------------------------------------------------------------------------ fitting
@@ -215,7 +222,7 @@ def calibrate(out: str | None = None, *, nproc: int | None = None, quick: bool =
             say = (lambda m: print(f"  [calibrate {time.perf_counter() - t0:5.1f} s] {m}", file=sys.stderr,
                                    flush=True)) if progress else (lambda m: None)
             measured = dict(device=measure_device(dev, quick, say), intra=None, inter=None, n_ranks=1,
-                            devices_per_node=1, n_nodes=1)
+                            devices_per_node=1, n_nodes=1, comm_overlap=None)
         else:
             measured = spawn_ranks(nproc, backend, quick, t0, progress)
     result = _build(measured, backend, name, links_from, base, time.perf_counter() - t0)
@@ -238,6 +245,7 @@ def _build(measured: dict[str, Any], backend: str, name: str | None, links_from:
         intra_link, inter_link = base.intra_node, base.inter_node
     else:
         intra_link, inter_link = intra.link, (inter or intra).link
+    overlap = measured.get("comm_overlap")
     kind = "cpu" if dev.device == "cpu" else dev.device.lower().replace("nvidia ", "").replace(" ", "-")
     hardware = Hardware(
         name=name or f"calibrated-{kind}",
@@ -250,9 +258,13 @@ def _build(measured: dict[str, Any], backend: str, name: str | None, links_from:
         inter_node=inter_link,
         kernel_overhead_s=dev.tiny_op_seconds,
         efficiency=1.0,  # measured rates already include kernel efficiency (module docstring)
+        comm_overlap=float(overlap) if overlap is not None else (base.comm_overlap if base is not None else 0.0),
+        # CPU ranks share this machine's cores (the rates above are each rank's share of them)
+        shared_cores=float(len(os.sched_getaffinity(0))) if dev.device == "cpu" else 0.0,
     )
     return Calibration(hardware, dev, backend, int(measured["n_ranks"]), int(measured["n_nodes"]), intra, inter,
-                       links_from if base is not None else None, seconds)
+                       links_from if base is not None else None, seconds,
+                       None if overlap is None else float(overlap))
 
 
 # ------------------------------------------------------------------------------ summary
@@ -287,6 +299,8 @@ def format_summary(cal: Calibration) -> str:
          "(2 reads + 1 write) -> memory_bandwidth_bytes_per_s"),
         ("tiny op (1-element add)", f"{d.tiny_op_seconds * 1e6:,.2f} us", "-> kernel_overhead_s"),
         ("memory", f"{d.memory_bytes / 2**30:,.2f} GiB", "-> memory_bytes"),
+        ("all-reduce beside matmuls", "not measured (1 rank)" if cal.comm_overlap is None else
+         f"{cal.comm_overlap:.2f} hidden", "-> comm_overlap"),
     ]
     lines = [
         f"autopar calibrate: {cal.n_ranks} rank(s), {cal.backend}, {d.device}, {cal.n_nodes} node(s), "
@@ -311,5 +325,6 @@ def calibration_to_dict(cal: Calibration) -> dict[str, Any]:
     """Everything measured, for a ``--measurements`` file (not a profile: Hardware rejects extra keys)."""
     return {"hardware": cal.hardware.to_json(), "device": asdict(cal.device), "backend": cal.backend,
             "n_ranks": cal.n_ranks, "n_nodes": cal.n_nodes, "seconds": cal.seconds, "links_from": cal.links_from,
+            "comm_overlap": cal.comm_overlap,
             "intra": None if cal.intra is None else [asdict(p) for p in cal.intra.points],
             "inter": None if cal.inter is None else [asdict(p) for p in cal.inter.points]}

@@ -154,6 +154,58 @@ def _measure_collectives(group: Any, n: int, device: torch.device, quick: bool,
     return points
 
 
+def _measure_overlap(group: Any, n: int, device: torch.device, quick: bool, say: Callable[[str], None]) -> float:
+    """This rank's achieved overlap: an all-reduce in flight while matmuls run.
+
+    ``t_comm`` is an asynchronous all-reduce waited on at once, ``t_comp`` about as long of
+    matmuls, ``t_both`` the all-reduce launched, the matmuls run, then waited on. The overlap
+    is ``(t_comm + t_comp - t_both) / min(t_comm, t_comp)``, clamped to [0, 1]: 1 when the
+    shorter one hides entirely, 0 when they run one after the other (or slow each other down
+    that much, as ranks that share their cores with gloo's threads may). Medians of trials.
+    """
+    sync = _sync_fn(device)
+    cuda = device.type == "cuda"
+    size = (64 << 20 if quick else 256 << 20) if cuda else (2 << 20 if quick else 4 << 20)
+    buf = torch.ones(size // 4, device=device)
+    m = 4096 if cuda else 256
+    a, b = torch.randn(m, m, device=device), torch.randn(m, m, device=device)
+
+    def comm() -> None:
+        dist.all_reduce(buf, group=group, async_op=True).wait()
+
+    def comp(k: int) -> None:
+        for _ in range(k):
+            torch.mm(a, b)
+
+    def both(k: int) -> None:
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        comp(k)
+        work.wait()
+
+    def timed(fn: Callable[[], None]) -> float:
+        trials = []
+        for _ in range(3 if quick else 5):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            trials.append(time.perf_counter() - t0)
+        return statistics.median(trials)
+
+    comm()
+    t_comm = timed(comm)
+    one = _seconds_per_call(lambda: torch.mm(a, b), sync, 0.05)
+    k = torch.tensor([max(1.0, round(t_comm / one))], dtype=torch.float64, device=device)
+    dist.all_reduce(k, op=dist.ReduceOp.MAX, group=group)  # every rank the same work
+    k_int = int(k.item())
+    t_comp = timed(lambda: comp(k_int))
+    t_both = timed(lambda: both(k_int))
+    overlap = (t_comm + t_comp - t_both) / min(t_comm, t_comp)
+    say(f"overlap: all-reduce {size >> 20} MiB {t_comm * 1e3:.1f} ms, {k_int} matmuls {t_comp * 1e3:.1f} ms, "
+        f"both {t_both * 1e3:.1f} ms -> {overlap:.2f}")
+    return min(1.0, max(0.0, overlap))
+
+
 def rank_measure(rank: int, world: int, local_world: int, device: torch.device, quick: bool,
                   t0: float, progress: bool) -> dict[str, Any] | None:
     """Every rank's part of a calibration, in an initialised process group; rank 0 gets the result."""
@@ -173,13 +225,15 @@ def rank_measure(rank: int, world: int, local_world: int, device: torch.device, 
         inter = _measure_collectives(None, world, device, quick, say)
     else:
         intra, inter = _measure_collectives(None, world, device, quick, say), None
+    overlap = _measure_overlap(None, world, device, quick, say)
     everything: list[Any] = [None] * world
-    dist.all_gather_object(everything, (device_rates, intra, inter))
+    dist.all_gather_object(everything, (device_rates, intra, inter, overlap))
     if rank != 0:
         return None
     return dict(device=_combine_device(everything), intra=_combine_points([e[1] for e in everything]),
                 inter=None if inter is None else _combine_points([e[2] for e in everything]),
-                n_ranks=world, devices_per_node=local_world, n_nodes=n_nodes)
+                n_ranks=world, devices_per_node=local_world, n_nodes=n_nodes,
+                comm_overlap=statistics.median(e[3] for e in everything))
 
 
 def _combine_device(per_rank: list[Any]) -> dict[str, Any]:

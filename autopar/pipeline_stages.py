@@ -147,12 +147,12 @@ def plan_stages(micro_gm: fx.GraphModule, stage_blocks: tuple[int, ...], sub: Me
 
 def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule: str, stage_mesh: MeshSpec,
                           block_prefix: str, stage_blocks: tuple[int, ...], pp_link: Link,
-                          recompute: bool) -> tuple[PipelineInfo, float]:
+                          recompute: bool, idle_speedup: float = 1.0) -> tuple[PipelineInfo, float]:
     """A PipelineInfo priced from the stage plans themselves (a pipeline pinned by hand), and
     the step time (schedule, then the once-per-step syncs and optimizer of the slowest device)."""
     costs = [StageCost(p.step_seconds, p.param_state_bytes, p.activation_bytes, c.send_bytes, c.send_grad_bytes)
              for p, c in zip(stages, stages.chunks)]
-    pc = pipeline_cost(costs, schedule, m, pp_link, v)
+    pc = pipeline_cost(costs, schedule, m, pp_link, v, idle_speedup)
     tied_s = sum(t.seconds for t in stages.tied)
     starts = [sum(stage_blocks[:s]) for s in range(pp * v)]
     infos = []
@@ -205,7 +205,8 @@ def hand_pipeline_plan(model, example_inputs, n_gpus: int, *, pp: int, n_microba
     name = plan_options.pop("model_name", None) or type(model).__name__
     stages = plan_stages(micro, blocks, sub, pp, link, plan_fn, dict(plan_options, hardware=hw), name)
     rc = plan_options.get("recompute") == "full"
-    info, step = info_from_stage_plans(stages, pp, n_microbatches, v, schedule, sub, prefix, blocks, link, rc)
+    info, step = info_from_stage_plans(stages, pp, n_microbatches, v, schedule, sub, prefix, blocks, link, rc,
+                                       hw.idle_speedup(n_gpus))
     worst = max(range(pp), key=lambda k: info.stages[k].peak_memory_bytes)
     params = sum(stages[s].param_state_bytes for s in range(worst, n_stages, pp))
     sent = {k: info.predicted_bytes(k) for k in range(pp)}

@@ -1,9 +1,10 @@
 """The benchmark suite: autopar's runtime against torch's parallel methods, the cost model's
 fidelity, and the planner's scaling, in one command.
 
-    python bench/suite.py                 # ~11-14 min on the 2-core CPU machine
-    python bench/suite.py --quick         # smoke run, ~3 min (tiny model, fewer plans)
+    python bench/suite.py                 # ~16-20 min on the 2-core CPU machine
+    python bench/suite.py --quick         # smoke run, ~5 min (tiny model, fewer plans)
     python bench/suite.py --json out.json --hardware cpu
+    python bench/suite.py --skip runtime scaling   # calibrate + the fidelity section only, ~5-8 min
 
 1. **Runtime vs baselines** (4 CPU ranks, gloo): one GPT (``runtime_vs_baselines.FULL``) trained
    the same steps on the same global batch by torch DDP, FSDP2, hand-written DTensor tensor
@@ -13,6 +14,11 @@ fidelity, and the planner's scaling, in one command.
    memory per rank and step time, and the Spearman rank correlation of the step times.
 3. **Planner scaling**: plan wall time and ILP size vs depth and vs number of devices (meta
    models, a100-80gb profile, no ranks).
+4. **Fidelity over many plans** (``bench/fidelity.py``): 11 plans of the same GPT (data parallel,
+   ZeRO-2/3, recompute, Megatron 1D with and without sequence parallelism, Megatron x dp, 2D,
+   two pipelines, the planner's pick) timed round-robin in one 4-rank launch (medians, so load
+   swings hit every plan alike): Spearman of predicted vs measured step time, median error,
+   peak memory per plan, the planner's pick vs every baseline it was predicted to beat.
 
 Tables go to stdout, progress to stderr, every figure to ``--json``
 (default ``bench/results/suite.json``, which git ignores).
@@ -32,6 +38,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import fidelity  # noqa: E402
+from fidelity_tables import plan_fidelity, print_plan_fidelity  # noqa: E402
 from report_tables import fidelity_rows, print_fidelity, print_runtime, print_scaling  # noqa: E402
 from runtime_vs_baselines import FULL, QUICK, build_model  # noqa: E402
 
@@ -185,7 +193,7 @@ def main() -> None:
                         help="profile autopar plans the runtime runs with: auto (calibrated if autopar calibrate "
                              "exists, else cpu), a profile name, or a JSON profile path")
     parser.add_argument("--methods", nargs="+", default=METHODS, help=f"default: {' '.join(METHODS)}")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["runtime", "scaling"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["runtime", "scaling", "fidelity"])
     parser.add_argument("--timeout", type=float, default=300, help="seconds per method launch")
     parser.add_argument("--scaling-budget", type=float, default=None,
                         help="seconds for the planner-scaling section (default 360, --quick 45)")
@@ -194,17 +202,25 @@ def main() -> None:
     shape = QUICK if args.quick else FULL
     results: dict = dict(quick=args.quick, load_average_at_start=os.getloadavg(), cpus=os.cpu_count(),
                          model=shape.__dict__, methods=args.methods)
-    if "runtime" not in args.skip:
+    if "runtime" not in args.skip or "fidelity" not in args.skip:
         hardware, why = resolve_hardware(args.hardware, os.path.dirname(os.path.abspath(args.json)), args.quick)
         _log(f"hardware profile for autopar's plans: {hardware} ({why})")
+        profile = json.load(open(hardware)) if os.path.isfile(hardware) else hardware
+        results.update(hardware=hardware, hardware_why=why, hardware_profile=profile)
+    if "runtime" not in args.skip:
         ref = reference_loss(args.quick)
         runtime = run_runtime(args.methods, hardware, args.quick, args.timeout)
-        profile = json.load(open(hardware)) if os.path.isfile(hardware) else hardware
-        results.update(hardware=hardware, hardware_why=why, hardware_profile=profile, reference_loss=ref,
-                       runtime=runtime)
+        results.update(reference_loss=ref, runtime=runtime)
         results["fidelity"] = fidelity_rows(runtime)
         print_runtime(runtime, shape, ref, hardware)
         print_fidelity(results["fidelity"])
+    if "fidelity" not in args.skip:
+        names = [n for n, _ in fidelity.PLANS if not (args.quick and n == "pp4")]  # --quick: 2 blocks
+        _log(f"fidelity: {len(names)} plans, one 4-rank launch, round-robin")
+        records = fidelity.run(names, args.quick, hardware, 2 if args.quick else 7)
+        results["fidelity_plans"] = dict(records=records, figures=plan_fidelity(records))
+        print()
+        print_plan_fidelity(records, results["fidelity_plans"]["figures"], hardware)
     if "scaling" not in args.skip:
         budget = args.scaling_budget if args.scaling_budget is not None else (45 if args.quick else 240)
         results["scaling"] = run_scaling(args.quick, budget, 45 if args.quick else 120)

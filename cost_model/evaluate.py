@@ -1,4 +1,5 @@
-"""Evaluate a chosen assignment: predicted step time (compute / communication), memory per
+"""Evaluate a chosen assignment: predicted step time (compute / communication, the
+asynchronous collectives overlapped with compute as ``cost_model/overlap.py`` says), memory per
 device with its breakdown, and bytes each device sends per collective type.
 
 Used for the chosen plan, for every baseline, and for ``Plan.explain``'s alternatives, so all
@@ -17,6 +18,7 @@ from .fsdp_pricing import fsdp_fusions
 from .optimizer_norms import norm_allreduce_bytes
 from .problem import Problem, partial_grad_axes
 from .offload import host_bytes
+from .overlap import hidden_comm_seconds
 from .recompute import recompute_effect, recomputed_keys
 from .reshard import reshard_steps, transitions
 
@@ -62,6 +64,8 @@ class Prediction:
     activation_bytes: float
     comm_bytes: dict[str, float] = field(default_factory=dict)  # collective -> bytes sent per device per step
     host_bytes: float = 0.0  # ZeRO-Offload: optimizer state in host memory, per device (not in the peak)
+    async_comm_seconds: float = 0.0  # of comm_seconds: run beside compute (gradient buckets, ZeRO-3)
+    hidden_comm_seconds: float = 0.0  # of those: hidden behind compute (step = compute + comm - hidden)
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -74,7 +78,7 @@ class Prediction:
 
 def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
     mesh = problem.mesh
-    node_s = comm_s = 0.0
+    node_s = comm_s = async_s = window_s = 0.0
     params_b = acts_b = 0.0
     sent: dict[str, float] = defaultdict(float)
     for key, d in problem.decisions.items():
@@ -85,23 +89,30 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
             params_b += d.memory_bytes[i]
         else:
             acts_b += d.memory_bytes[i]
+            window_s += d.seconds[i] - d.comm_seconds[i]  # forward + backward compute (not the optimizer step)
         for step, count in d.comm_steps[i]:
             sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * count
     shared = shared_reshards(problem, choice)
+    fused, regathers = fsdp_fusions(problem, choice, recomputed_keys(problem, choice))  # ZeRO-3 as runtime.fsdp runs it
+    gathered = {(tensor, layout) for tensor, _, layout in fused}
     for idx, e in enumerate(problem.edges):
         copies = e.count - shared.get(idx, 0)
         if not copies:
             continue
         a = e.producer_layouts[choice[e.producer]]
         b = e.consumer_layouts[choice[e.consumer]]
-        comm_s += e.seconds[(a, b)] * copies / e.count
+        edge_s = e.seconds[(a, b)] * copies / e.count
+        comm_s += edge_s
+        if problem.decisions[e.producer].is_param and (e.tensor, b) in gathered:
+            async_s += edge_s  # a ZeRO-3 gather, prefetched (runtime.fsdp)
         acts_b += e.memory.get((a, b), 0.0) * copies / e.count  # gathered panels kept for backward
         fwd, bwd = reshard_steps(a, b, e.total_bytes, mesh, e.needs_grad)
         for step in fwd + bwd:
             sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * copies
-    fused, regathers = fsdp_fusions(problem, choice, recomputed_keys(problem, choice))  # ZeRO-3 as runtime.fsdp runs it
     for step, count in regathers:
-        comm_s += collective_s(step.collective, step.nbytes, mesh.sizes[step.axis], mesh.links[step.axis]) * count
+        regather_s = collective_s(step.collective, step.nbytes, mesh.sizes[step.axis], mesh.links[step.axis]) * count
+        comm_s += regather_s
+        async_s += regather_s  # prefetched in backward
         sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * count
     for g in problem.syncs:
         if g.param and g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
@@ -110,13 +121,19 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
         if count:
             kind = "reduce_scatter" if (g.tensor, g.axis, g.layout) in fused else "all_reduce"
             n, link = mesh.sizes[g.axis], mesh.links[g.axis]
-            comm_s += g.seconds * count / g.count if kind == "all_reduce" else collective_s(kind, g.nbytes, n, link) * count
+            sync_s = g.seconds * count / g.count if kind == "all_reduce" else collective_s(kind, g.nbytes, n, link) * count
+            comm_s += sync_s
+            if g.param:  # a parameter's gradient: bucketed (grad_buckets) or reduce-scattered asynchronously (fsdp)
+                async_s += sync_s
             sent[kind] += bytes_sent_per_rank(kind, g.nbytes, n) * count
     for axis, nbytes in norm_allreduce_bytes(problem, choice, problem.optimizer).items():  # LAMB/LARS norms
         comm_s += collective_s("all_reduce", nbytes, mesh.sizes[axis], mesh.links[axis])
         sent["all_reduce"] += bytes_sent_per_rank("all_reduce", nbytes, mesh.sizes[axis])
     rc_compute_s, rc_comm_s, rc_saved_b, rc_sent = recompute_effect(problem, choice, shared)  # recomputed blocks
     node_s, comm_s, acts_b = node_s + rc_compute_s, comm_s + rc_comm_s, acts_b - rc_saved_b
+    window_s += rc_compute_s  # a recomputed forward is compute the collectives can hide behind too
     for kind, nbytes in rc_sent.items():
         sent[kind] += nbytes
-    return Prediction(node_s + comm_s, node_s, comm_s, params_b, acts_b, dict(sent), host_bytes(problem, choice))
+    hidden_s = hidden_comm_seconds(async_s, window_s, problem.comm_overlap)
+    return Prediction(node_s + comm_s - hidden_s, node_s, comm_s, params_b, acts_b, dict(sent),
+                      host_bytes(problem, choice), async_s, hidden_s)

@@ -54,6 +54,17 @@ class Hardware:
     host_link_bytes_per_s: float = 25e9
     host_memory_bytes: float = 256 * 2**30
     host_adam_params_per_s: float = 1e9
+    # Fraction of the communication the runtime runs asynchronously (bucketed gradient
+    # all-reduces, ZeRO-3 prefetched gathers and reduce-scatters) that actually hides behind
+    # compute (cost_model/overlap.py). ``autopar calibrate`` measures it (an all-reduce in
+    # flight while matmuls run). 0 (nothing hidden) for profiles that do not say, such as JSON
+    # profiles written before it was measured; the GPU profiles below assume 0.9.
+    comm_overlap: float = 0.0
+    # CPU cores the devices of one node share (0: every device computes on its own, as GPUs
+    # do). CPU ranks outnumbering the cores (4 gloo ranks on this 2-core machine) run at a
+    # share of a core when all are busy, which is what ``autopar calibrate`` measures; a rank
+    # that waits (a pipeline bubble) hands its share to the busy ones (``idle_speedup``).
+    shared_cores: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
@@ -69,6 +80,12 @@ class Hardware:
             raise HardwareError(
                 f"hardware {self.name!r}: kernel_overhead_s must be >= 0, got {self.kernel_overhead_s!r}"
             )
+        if not isinstance(self.shared_cores, (int, float)) or not 0 <= self.shared_cores < math.inf:
+            raise HardwareError(f"hardware {self.name!r}: shared_cores must be >= 0 (0: devices do not share "
+                                f"cores), got {self.shared_cores!r}")
+        if not isinstance(self.comm_overlap, (int, float)) or not 0 <= self.comm_overlap <= 1:
+            raise HardwareError(f"hardware {self.name!r}: comm_overlap must be in [0, 1] (the fraction of "
+                                f"asynchronous communication hidden behind compute), got {self.comm_overlap!r}")
         if not isinstance(self.efficiency, (int, float)) or not 0 < self.efficiency <= 1:
             raise HardwareError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}")
         for link_name in ("intra_node", "inter_node"):
@@ -79,6 +96,14 @@ class Hardware:
                 raise HardwareError(
                     f"hardware {self.name!r}: {link_name} needs bandwidth > 0 and latency >= 0, got {link}"
                 )
+
+    def idle_speedup(self, n_devices: int) -> float:
+        """How much faster one busy rank runs than when all ranks of its node are busy: ranks
+        / cores when CPU ranks share fewer cores (1 thread each, so at most one core a rank),
+        else 1."""
+        if self.shared_cores <= 0:
+            return 1.0
+        return max(1.0, min(n_devices, self.devices_per_node) / self.shared_cores)
 
     # ----------------------------------------------------------------------------------- mesh
 
@@ -226,6 +251,9 @@ _NDR_IB = Link(
 # kernel (meta-pytorch/autoparallel docs/how_autoparallel_chooses_a_strategy.md; FACTS.md).
 _GPU_EFFICIENCY = 0.7
 _GPU_KERNEL_OVERHEAD_S = 7e-6
+# NCCL kernels run on their own SMs beside compute kernels, and DDP / FSDP hide most of their
+# bucketed / prefetched traffic: an assumption, not measured here (autopar calibrate on the GPUs)
+_GPU_COMM_OVERLAP = 0.9
 
 PROFILES: dict[str, Hardware] = {
     "a100-40gb": Hardware(
@@ -239,6 +267,7 @@ PROFILES: dict[str, Hardware] = {
         inter_node=_HDR_IB,
         kernel_overhead_s=_GPU_KERNEL_OVERHEAD_S,
         efficiency=_GPU_EFFICIENCY,
+        comm_overlap=_GPU_COMM_OVERLAP,
     ),
     "a100-80gb": Hardware(
         name="a100-80gb",
@@ -251,6 +280,7 @@ PROFILES: dict[str, Hardware] = {
         inter_node=_HDR_IB,
         kernel_overhead_s=_GPU_KERNEL_OVERHEAD_S,
         efficiency=_GPU_EFFICIENCY,
+        comm_overlap=_GPU_COMM_OVERLAP,
     ),
     "h100-80gb": Hardware(
         name="h100-80gb",
@@ -263,6 +293,7 @@ PROFILES: dict[str, Hardware] = {
         inter_node=_NDR_IB,
         kernel_overhead_s=_GPU_KERNEL_OVERHEAD_S,
         efficiency=_GPU_EFFICIENCY,
+        comm_overlap=_GPU_COMM_OVERLAP,
     ),
     "h200-141gb": Hardware(
         name="h200-141gb",
@@ -275,6 +306,7 @@ PROFILES: dict[str, Hardware] = {
         inter_node=_NDR_IB,
         kernel_overhead_s=_GPU_KERNEL_OVERHEAD_S,
         efficiency=_GPU_EFFICIENCY,
+        comm_overlap=_GPU_COMM_OVERLAP,
     ),
     # Ranks of gloo over loopback on this project's small CPU machines (2 cores, 23 GiB). Each
     # "device" is a process; all of them share the cores, so these figures are rough - fit your
@@ -296,6 +328,10 @@ PROFILES: dict[str, Hardware] = {
         inter_node=Link("gloo-loopback", 1.9e9, 200e-6),  # one box: same as intra (FACTS.md)
         kernel_overhead_s=10e-6,  # rough eager-mode per-op dispatch cost on CPU; calibrate
         efficiency=1.0,  # peak_flops above is already a measured matmul rate
+        # 4 gloo ranks on 2 cores, 1 thread each: an all-reduce in flight beside matmuls took
+        # longer than the two one after the other (autopar calibrate: measured 0, clamped)
+        comm_overlap=0.0,
+        shared_cores=2.0,  # this project's machines: 2 cores for all the ranks (calibrate measures it)
     ),
 }
 

@@ -19,7 +19,16 @@ Narayanan et al. 2021, arXiv 2104.04473, section 2.2; FACTS.md):
                  backward (their gradients; floating-point tensors only), once per micro-batch,
                  priced on the link the pp axis crosses (``p2p_s``: S/B + a).
 
-Communication does not overlap compute here (as in the rest of the cost model).
+Point-to-point sends do not overlap compute here (``cost_model/overlap.py`` hides only the
+bucketed gradient all-reduces and ZeRO-3's collectives).
+
+Oversubscribed CPU ranks (``Hardware.shared_cores``: more ranks than cores, each rank's
+calibrated rate a share of a core): a rank idle in the bubble hands its share to the busy
+ones, which run up to ``idle_speedup`` faster. The step is then bounded by the machine's
+total work (every device's ``m`` micro-batches at the all-busy rate, shared by all of them:
+their mean) and by the schedule above run that much faster:
+``max(m * mean_k t_k, step / idle_speedup)``; with ``idle_speedup`` 1 (GPUs) that is the
+schedule's step unchanged.
 """
 
 from __future__ import annotations
@@ -96,8 +105,10 @@ class PipelineCost:
         return max(self.stage_memory_bytes)
 
 
-def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v: int = 1) -> PipelineCost:
-    """Compose ``stages`` (``p * v`` of them, in model order; device k runs k, k + p, ...)."""
+def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v: int = 1,
+                  idle_speedup: float = 1.0) -> PipelineCost:
+    """Compose ``stages`` (``p * v`` of them, in model order; device k runs k, k + p, ...);
+    ``idle_speedup``: ``Hardware.idle_speedup`` of the pipeline's devices (see module doc)."""
     if len(stages) % v:
         raise ValueError(f"{len(stages)} stages do not split into v={v} chunks per device")
     p = len(stages) // v
@@ -117,6 +128,7 @@ def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v:
     else:
         step = (m + (p - 1) / v) * t_max
     ideal = m * t_max
+    step = max(m * sum(dev_seconds) / p, step / idle_speedup)
     return PipelineCost(schedule, p, m, v, step, bubble_fraction(schedule, p, m, v), step - ideal,
                         tuple(dev_seconds), tuple(dev_memory), p2p)
 

@@ -434,4 +434,5 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: Train
     # block runs the ILP may recompute (cost_model/recompute.py); their forward runs again
     add_recompute(problem, hw, train, lambda n, st: builder.algorithm_steps(n, st, backward=False))
     add_host_memory(problem, hw, train)  # ZeRO-Offload's host bytes (cost_model/offload.py)
+    problem.comm_overlap = hw.comm_overlap  # evaluate() hides asynchronous collectives (cost_model/overlap.py)
     return problem

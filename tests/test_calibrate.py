@@ -49,6 +49,7 @@ def test_one_rank_needs_links_from_and_then_copies_them(tmp_path):
     assert hw == cal.hardware
     assert (hw.intra_node, hw.inter_node) == (PROFILES["cpu"].intra_node, PROFILES["cpu"].inter_node)
     assert hw.peak_flops_fp32 > 1e8 and hw.kernel_overhead_s > 0
+    assert cal.comm_overlap is None and hw.comm_overlap == PROFILES["cpu"].comm_overlap  # one rank cannot measure it
 
 
 @pytest.mark.slow
@@ -61,6 +62,8 @@ def test_two_gloo_ranks_calibrate_a_profile_that_plans(tmp_path, capsys, report_
                   "kernel_overhead_s"):
         value = getattr(hw, field)
         assert math.isfinite(value) and value > 0, field
+    # an all-reduce beside matmuls, measured on both ranks: the fraction hidden, in [0, 1]
+    assert cal.comm_overlap is not None and hw.comm_overlap == cal.comm_overlap and 0.0 <= hw.comm_overlap <= 1.0
     link = hw.intra_node
     assert hw.inter_node == link and math.isfinite(link.bandwidth_bytes_per_s) and link.latency_s >= 0
     # The profile's link, put through cost_model.comm's formulas, reproduces the measurements.
@@ -70,7 +73,7 @@ def test_two_gloo_ranks_calibrate_a_profile_that_plans(tmp_path, capsys, report_
         assert model_s == pytest.approx(cal.intra.predicted_seconds(p), rel=1e-12)
         assert 1 / MEASURED_FIT_FACTOR < model_s / p.seconds < MEASURED_FIT_FACTOR, p
     report_line(f"calibrate (2 gloo ranks, quick): {link}, fit rms error {cal.intra.rms_relative_error:.0%}, "
-                f"fp32 {hw.peak_flops_fp32 / 1e9:.1f} GFLOP/s, {cal.seconds:.0f} s")
+                f"fp32 {hw.peak_flops_fp32 / 1e9:.1f} GFLOP/s, overlap {hw.comm_overlap:.2f}, {cal.seconds:.0f} s")
 
     capsys.readouterr()
     assert main(["plan", "mlp", "--gpus", "2", "--hardware", str(path), "--quiet", "--no-baselines"]) == 0
