@@ -99,6 +99,7 @@ class _Flat:
 
     def _land(self) -> None:
         self.work.wait()
+        self.work = None  # the work holds its tensors; this object lives on in autograd's ctx until backward
         n = self.g.size
         if len(self.shapes) == 1:
             s = self.shapes[0]
