@@ -5,8 +5,9 @@ one launch per method, back to back, and its ratios move with the load between l
     python bench/interleaved.py ddp autopar-dp fsdp2 autopar-zero3 --rounds 6
 
 Prints per-method median step time (ms), the ratio of each autopar method to the baseline
-before it on the command line, and every round's times. Same model, batch and setup as
-``runtime_vs_baselines.FULL`` (``--quick``: ``QUICK``).
+before it on the command line, every round's times, and each method's peak live bytes per
+rank (``bench/memtrack.py``, the largest over ranks, from one extra untimed step). Same model,
+batch and setup as ``runtime_vs_baselines.FULL`` (``--quick``: ``QUICK``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _rank(rank: int, world: int, port: int, methods: list[str], rounds: int, quick: bool, hardware: str) -> None:
+    from bench.memtrack import LiveBytes, optimizer_tensors
     from bench.methods import setup
     from bench.runtime_vs_baselines import FULL, QUICK, _step, build_model
 
@@ -39,6 +41,15 @@ def _rank(rank: int, world: int, port: int, methods: list[str], rounds: int, qui
         for _ in range(shape.warmup):
             _step(runner, opt)
         runs[m] = (runner, opt)
+    peak: dict[str, float] = {}
+    for m in methods:  # one untimed step under the tracker (it costs Python work per op)
+        runner, opt = runs[m]
+        with LiveBytes() as mem:
+            mem.track(optimizer_tensors(runner.module, opt))
+            _step(runner, opt)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mem.peak_bytes)
+        peak[m] = max(everyone)
     times: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(rounds):
         for m in methods:
@@ -52,8 +63,11 @@ def _rank(rank: int, world: int, port: int, methods: list[str], rounds: int, qui
         for k, m in enumerate(methods):
             ratio = ""
             if m.startswith("autopar-") and k and not methods[k - 1].startswith("autopar-"):
-                ratio = f"  throughput vs {methods[k - 1]}: {med[methods[k - 1]] / med[m]:.2f}x"
-            print(f"{m:<20} median {med[m]:7.0f} ms  rounds {[round(x * 1e3) for x in times[m]]}{ratio}")
+                base = methods[k - 1]
+                ratio = (f"  throughput vs {base}: {med[base] / med[m]:.2f}x, "
+                         f"peak memory vs {base}: {peak[m] / peak[base]:.2f}x")
+            print(f"{m:<20} median {med[m]:7.0f} ms  peak {peak[m] / 2**20:6.1f} MiB/rank  "
+                  f"rounds {[round(x * 1e3) for x in times[m]]}{ratio}")
         print(f"1-min load average at the end: {os.getloadavg()[0]:.1f}")
     dist.destroy_process_group()
 

@@ -104,11 +104,12 @@ class _Lowering:
     def call(self, fn: Callable, *args) -> fx.Node:
         return self.graph.call_function(fn, args)
 
-    def reshard(self, value: fx.Node, src: Layout, dst: Layout, ndim: int, fsdp: int | None = None) -> fx.Node:
+    def reshard(self, value: fx.Node, src: Layout, dst: Layout, ndim: int, fsdp: int | None = None,
+                unit: str | None = None) -> fx.Node:
         for t in transitions(src, dst):
             g = self.groups[t.axis]
             if t.kind == "all_gather" and t.axis == fsdp:  # ZeRO-3: its backward reduce-scatters (defer_sync)
-                value = self.call(F.fsdp_gather, value, t.src % ndim, g, self.groups.fsdp)
+                value = self.call(F.fsdp_gather, value, t.src % ndim, g, self.groups.fsdp, unit)
             elif t.kind == "all_gather":
                 value = self.call(C.all_gather, value, t.src % ndim, g)
             elif t.kind == "slice":
@@ -140,7 +141,9 @@ class _Lowering:
             # there: share that value (one reshard, one sync; cost_model.evaluate prices it once)
             value = self.env[producer.name]
         else:
-            value = self.reshard(self.env[producer.name], src, dst, ndim, fsdp)
+            # ZeRO-3 weights of one unit (runtime/fsdp.py: a block) gather and reduce-scatter as one
+            unit = F.unit_key(self.targets[root]) if fsdp is not None else None
+            value = self.reshard(self.env[producer.name], src, dst, ndim, fsdp, unit)
         if zero and node.name not in self.followers:
             # ZeRO-2's reduce-scatter sums the gradient over its axes: where this use leaves it
             # whole (replicated work, or a slice whose backward gathers), it enters divided by n.

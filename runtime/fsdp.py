@@ -14,25 +14,37 @@ again when backward unpacks it; the gathered copy is freed when the forward has 
 The cost model prices the same: an all-gather in forward, one more in backward for each
 op that saves the weight (``cost_model.saved_inputs``), and a reduce-scatter.
 
-Overlap, as FSDP2 does it: in forward each gather launches the next one (in the order the
-previous forward of the program ran them); in backward each re-gather launches the one saved
-before it; a gradient's reduce-scatter is launched asynchronously and lands in ``.grad``
-later (at most two in flight, the rest at the end of backward), for a parameter whose shard
-is the parameter itself up to a transpose (otherwise it runs blocking, through autograd).
+Units, as FSDP2 groups a module's parameters: the lowering tags each gather with its
+parameter's *unit* (``unit_key``: the repeated block it sits in, e.g. ``blocks.3``, else its
+own module). Gathers of one unit that ran one after another in the previous forward of the
+same program are one flat all-gather (each rank's shards concatenated; every weight copied
+out of the buffer), their gradients one flat reduce-scatter once the unit's last gradient
+arrives, and the saved weights of one unit backward unpacks one re-gather. The bytes are the
+per-parameter ones (the ring formulas are linear in the payload); the number of collectives
+drops from one per parameter to one per unit. On a latency-bound link (gloo on CPU: every
+collective waits for all ranks to be scheduled) that is most of ZeRO-3's cost.
+
+Overlap, as FSDP2 does it: in forward each unit's gather launches the next unit's (in the
+order the previous forward of the program ran them); in backward each re-gather launches the
+one of the unit saved before it; a unit's gradient reduce-scatter is launched asynchronously
+and lands in ``.grad`` later (at most two in flight, the rest at the end of backward). Only a
+parameter whose shard is the parameter itself up to a transpose joins a unit; any other
+gather runs alone, blocking, with its reduce-scatter through autograd.
 
 All of it - live gathers, prefetch schedules, gradients in flight - is one model's
 :class:`FsdpState`: the lowering gives each model its own (``passes/lower.py`` reads it into
 the program as ``self.autopar_fsdp``), so two parallelized models in one process share none.
 
 Written by hand: FSDP2 does this per module over one data mesh; here a parameter may also be
-cut by other mesh axes, and the unit is the single parameter the plan put in ZeRO-3 layout.
+cut by other mesh axes, and the units come from the plan's ZeRO-3 layouts and the program's
+order of use, not from module wrapping.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -40,7 +52,7 @@ import torch.distributed as dist
 
 from .collectives import COUNTER, AxisGroup
 
-__all__ = ["FsdpState", "fsdp_gather", "regather_saved_weights"]
+__all__ = ["FsdpState", "fsdp_gather", "regather_saved_weights", "unit_key"]
 
 
 # torch 2.13 renamed these; 2.11 has only the old names. Looked up at each call (not bound at
@@ -53,26 +65,68 @@ def _reduce_scatter_single(*args, **kwargs):
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
-class _Gather:
-    """An all-gather along ``dim`` launched now (asynchronously), into one buffer laid out with
-    ``dim`` outermost: a linear weight's transposed shard gathers with no copy, and the result
-    is a view of the buffer."""
+def unit_key(target: str) -> str:
+    """The ZeRO-3 unit of the parameter at ``target``: its path up to the first numeric part
+    (a repeated block, ``blocks.3.attn.q_proj.weight`` -> ``blocks.3``), else its module
+    (``lm_head.weight`` -> ``lm_head``)."""
+    parts = target.split(".")
+    for k, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:k + 1])
+    return ".".join(parts[:-1])
 
-    def __init__(self, shard: torch.Tensor, dim: int, g: AxisGroup):
-        self.front = shard.detach().movedim(dim, 0).contiguous()  # a view for a transposed contiguous shard
-        self.out = self.front.new_empty((self.front.shape[0] * g.size, *self.front.shape[1:]))
-        self.work = _all_gather_single(self.out, self.front, group=g.group, async_op=True)
-        self.dim = dim
+
+class _Flat:
+    """One all-gather of several weights along the same axis, launched now (asynchronously):
+    each rank's pieces (``dim`` outermost) concatenated, the whole weights copied out of the
+    gathered buffer when it lands. One member: the buffer is the weight (a linear weight's
+    transposed shard gathers with no copy). Also collects the members' gradients for the
+    unit's one reduce-scatter (``FsdpState.unit_grad``)."""
+
+    def __init__(self, members: Sequence[tuple[torch.Tensor, int]], g: AxisGroup, params: Sequence = ()):
+        fronts = [t.detach().movedim(d, 0).contiguous() for t, d in members]
+        self.shapes = [f.shape for f in fronts]
+        self.dims = [d for _, d in members]
+        self.params = list(params)  # the leaf of each member (unit gathers) or empty
+        self.g = g
+        flat = fronts[0].reshape(-1) if len(fronts) == 1 else torch.cat([f.reshape(-1) for f in fronts])
+        self.out = flat.new_empty(flat.numel() * g.size)
+        self.work = _all_gather_single(self.out, flat, group=g.group, async_op=True)
         COUNTER.add("all_gather", self.out.numel() * self.out.element_size(), g.size)
+        self.fulls: list | None = None
+        self.taken: list[int] = []
+        self.grads: list = [None] * len(members)
 
-    def result(self) -> torch.Tensor:
+    def _land(self) -> None:
         self.work.wait()
-        self.front = None
-        return self.out.movedim(0, self.dim)
+        self.work = None  # the work holds its tensors; this object lives on in autograd's ctx until backward
+        n = self.g.size
+        if len(self.shapes) == 1:
+            s = self.shapes[0]
+            self.fulls = [self.out.view(s[0] * n, *s[1:])]
+        else:
+            sizes = [s.numel() for s in self.shapes]
+            pieces = self.out.view(n, -1).split(sizes, dim=1)
+            self.fulls = [p.contiguous().view(s[0] * n, *s[1:]) for p, s in zip(pieces, self.shapes)]
+        self.out = None
+
+    def take(self, k: int) -> torch.Tensor:
+        """Member ``k``'s whole weight, its cut dim back in place."""
+        if self.fulls is None:
+            self._land()
+        full, self.fulls[k] = self.fulls[k], None
+        self.taken.append(k)
+        return full.movedim(0, self.dims[k])
+
+    def finish(self) -> None:
+        """Wait for the gather and drop what no one took."""
+        if self.fulls is None:
+            self._land()
+        self.fulls = None
 
 
 def _gather(shard: torch.Tensor, dim: int, g: AxisGroup) -> torch.Tensor:
-    return _Gather(shard, dim, g).result()
+    return _Flat([(shard, dim)], g).take(0)
 
 
 def _param_of(shard: torch.Tensor, dim: int) -> torch.Tensor | None:
@@ -87,13 +141,22 @@ def _param_of(shard: torch.Tensor, dim: int) -> torch.Tensor | None:
     return None
 
 
-# --- prefetch: the next gather starts while the current weight is in use ----------------------
-# Forward: the order of gathers in the previous forward of the same program is the schedule;
-# gather i launches gather i+1 (one weight ahead, as FSDP2 prefetches one module ahead). Every
-# rank runs the same program, so every rank launches the same collectives in the same order.
+def _runs(keys: Sequence) -> list[tuple[int, int]]:
+    """Per position, the (start, stop) of the run of equal consecutive keys holding it; a None
+    key is a run of its own."""
+    spans: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or keys[i] is None or keys[i] != keys[start]:
+            spans += [(start, i)] * (i - start)
+            start = i
+    return spans
 
 
-PREFETCH = 1  # gathers launched ahead of the one in use (forward and backward; FSDP2 also prefetches one)
+# --- forward: the order of gathers in the previous forward of the same program is the schedule;
+# a unit's gather launches the next unit's (one unit ahead, as FSDP2 prefetches one module ahead).
+# Every rank runs the same program, so every rank launches the same collectives in the same order.
+
 # Gradient reduce-scatters in flight at once: each keeps its whole input gradient alive until it
 # is done, the oldest finished first (FSDP2 likewise bounds what it keeps in flight).
 IN_FLIGHT = 2
@@ -101,86 +164,152 @@ IN_FLIGHT = 2
 
 class _Schedule:
     def __init__(self) -> None:
-        self.last: list = []  # (param, dim, group) or None, per gather of the previous forward
+        self.last: list = []  # (param, dim, group, unit) or None, per gather of the previous forward
+        self.spans: list[tuple[int, int]] = []  # per gather of ``last``: its unit's (start, stop)
         self.now: list = []
-        self.pending: dict[int, tuple] = {}  # index -> (param, dim, group, _Gather)
+        self.pending: dict[int, _Flat] = {}  # unit start -> its launched gather
 
-    def gather(self, shard: torch.Tensor, dim: int, g: AxisGroup) -> torch.Tensor:
+    def _launch(self, start: int) -> _Flat:
+        if start not in self.pending:
+            stop = self.spans[start][1]
+            members = self.last[start:stop]
+            self.pending[start] = _Flat([(p, d) for p, d, *_ in members], members[0][2], [m[0] for m in members])
+        return self.pending[start]
+
+    def gather(self, shard: torch.Tensor, dim: int, g: AxisGroup, unit: str | None):
+        """(whole weights, the unit gather they came from or None, member index)."""
         i = len(self.now)
         param = _param_of(shard, dim)
-        self.now.append((param, dim, g) if param is not None else None)
-        hit = self.pending.pop(i, None)
-        if hit is not None and hit[0] is param and hit[1] == dim and hit[2] is g:
-            full = hit[3].result()
-        else:
-            if hit is not None:
-                hit[3].result()  # launched on every rank: finish it, then do what the program asks
-            full = _gather(shard, dim, g)
-        for j in range(i + 1, min(i + 1 + PREFETCH, len(self.last))):
-            nxt = self.last[j]
-            if nxt is not None and j not in self.pending:
-                p, d, grp = nxt
-                self.pending[j] = (p, d, grp, _Gather(p.movedim(0, d), d, grp))
-        return full
+        entry = (param, dim, g, unit) if param is not None else None
+        self.now.append(entry)
+        prev = self.last[i] if i < len(self.last) else None
+        if entry is None or prev is None or not (prev[0] is param and prev[1] == dim and prev[2] is g
+                                                 and prev[3] == unit):
+            return _gather(shard, dim, g), None, 0  # off the schedule (or the first forward)
+        start, stop = self.spans[i]
+        launch = self._launch(start)
+        if stop < len(self.last) and self.last[stop] is not None:
+            self._launch(self.spans[stop][0])  # prefetch the next unit
+        return launch.take(i - start), launch, i - start
 
     def end(self) -> None:
-        for *_, launch in self.pending.values():
-            launch.result()
+        for launch in self.pending.values():
+            launch.finish()
         self.pending.clear()
         self.last, self.now = self.now, []
+        keys = [None if e is None or e[3] is None else (id(e[2]), e[3]) for e in self.last]
+        self.spans = _runs(keys)
+
+
+# --- backward: saved gathered weights come back unit by unit --------------------------------
 
 
 class _Packed:
     """The saved gathered weights of one forward, in order: backward unpacks them about in
-    reverse, and unpacking one launches the gather of the one before it."""
+    reverse; unpacking one re-gathers its unit's (the run of saved weights of one unit) and
+    launches the re-gather of the unit saved before it."""
 
     def __init__(self) -> None:
         self.items: list["_Regather"] = []
+        self.spans: list[tuple[int, int]] | None = None
+
+    def launch(self, index: int) -> None:
+        """Re-gather (asynchronously) the unit holding item ``index``: its items not yet used."""
+        if self.spans is None or len(self.spans) != len(self.items):
+            self.spans = _runs([None if x.param is None or x.unit is None else (id(x.group), x.unit)
+                                for x in self.items])
+        start, stop = self.spans[index]
+        todo = [x for x in self.items[start:stop] if x.launch is None and not x.used and x.param is not None]
+        if todo:
+            flat = _Flat([(x.param, x.dim) for x in todo], todo[0].group)
+            for k, x in enumerate(todo):
+                x.launch = (flat, k)
 
 
 class _Regather:
     """A saved view of a gathered weight, held as its shard: gathered again on unpack."""
 
-    __slots__ = ("shard", "dim", "group", "size", "stride", "offset", "param", "packed", "index", "launch", "used")
+    __slots__ = ("shard", "dim", "group", "unit", "size", "stride", "offset", "param", "packed", "index", "launch",
+                 "used")
 
-    def __init__(self, shard, dim, group, t: torch.Tensor, packed: _Packed):
-        self.shard, self.dim, self.group = shard, dim, group
+    def __init__(self, shard, dim, group, unit, t: torch.Tensor, packed: _Packed):
+        self.shard, self.dim, self.group, self.unit = shard, dim, group, unit
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
         self.param = _param_of(shard, dim)
         self.packed, self.index, self.launch, self.used = packed, len(packed.items), None, False
         packed.items.append(self)
 
 
-def _land(param: torch.Tensor, out: torch.Tensor, work) -> None:
+def _land(landings, work) -> None:
     work.wait()
-    if param.grad is None:
-        param.grad = out
-    else:
-        param.grad.add_(out)
+    for param, grad in landings:
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad.add_(grad)
 
 
 class FsdpState:
     """One model's ZeRO-3 run-time state (module doc): its live gathered weights, the prefetch
     schedule of each of its programs, the saved-weight records of the forwards running, and
-    the gradient reduce-scatters in flight."""
+    the gradient reduce-scatters collecting or in flight."""
 
     def __init__(self) -> None:
-        # storage address of a live gathered weight -> (weak ref to its base tensor, shard, dim, group)
+        # storage address of a live gathered weight -> (weak ref to its base tensor, shard, dim, group, unit)
         self.gathered: dict[int, tuple] = {}
         self.schedules: "weakref.WeakKeyDictionary[object, _Schedule]" = weakref.WeakKeyDictionary()
         self.active: list[_Schedule] = []
         self.packed: list[_Packed] = []
-        self.grads: list[tuple] = []  # (param, output buffer, work, input kept alive)
+        self.collecting: list[_Flat] = []  # units with some of their gradients in
+        self.grads: list[tuple] = []  # (landings [(param, grad)], work, input kept alive)
+        self.callback = False  # the end-of-backward flush is queued
 
     def __repr__(self) -> str:
         return f"FsdpState(live gathers={len(self.gathered)}, grads in flight={len(self.grads)})"
 
     # --- gradients: reduce-scatters launched in backward, waited for at its end -----------------
     def finish_grads(self) -> None:
+        self.callback = False
+        for unit in list(self.collecting):  # a member without a gradient this backward
+            self._launch_unit(unit)
         pending = list(self.grads)
         self.grads.clear()
-        for param, out, work, _ in pending:
-            _land(param, out, work)
+        for landings, work, _ in pending:
+            _land(landings, work)
+
+    def _queue_finish(self) -> None:
+        if not self.callback:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_grads)
+            self.callback = True
+
+    def _in_flight(self, landings, work, keep) -> None:
+        self.grads.append((landings, work, keep))
+        while len(self.grads) > IN_FLIGHT:
+            _land(*self.grads.pop(0)[:2])
+
+    def unit_grad(self, unit: _Flat, k: int, grad: torch.Tensor) -> None:
+        """Member ``k``'s whole gradient; the unit's reduce-scatter starts when all taken members'
+        are in (or at the end of backward), and lands in the members' ``.grad``."""
+        self._queue_finish()
+        if all(x is None for x in unit.grads):
+            self.collecting.append(unit)
+        unit.grads[k] = grad
+        if all(unit.grads[j] is not None for j in unit.taken):
+            self._launch_unit(unit)
+
+    def _launch_unit(self, unit: _Flat) -> None:
+        self.collecting.remove(unit)
+        ks = [k for k, gr in enumerate(unit.grads) if gr is not None]
+        n = unit.g.size
+        fronts = [unit.grads[k].movedim(unit.dims[k], 0).reshape(n, -1) for k in ks]
+        unit.grads = [None] * len(unit.grads)
+        inp = fronts[0].contiguous() if len(fronts) == 1 else torch.cat(fronts, dim=1)
+        COUNTER.add("reduce_scatter", inp.numel() * inp.element_size(), n)
+        out = inp.new_empty(inp.numel() // n)
+        work = _reduce_scatter_single(out, inp.view(-1), group=unit.g.group, async_op=True)
+        pieces = out.split([unit.shapes[k].numel() for k in ks])
+        landings = [(unit.params[k], p.view(unit.params[k].shape)) for k, p in zip(ks, pieces)]
+        self._in_flight(landings, work, inp)
 
     def reduce_scatter(self, grad: torch.Tensor, dim: int, g: AxisGroup, param: torch.Tensor | None = None):
         """Sum over the axis, keep this rank's piece along ``dim`` (one buffer, ``dim`` outermost).
@@ -192,12 +321,8 @@ class FsdpState:
         if param is None:
             _reduce_scatter_single(out, front, group=g.group)
             return out.movedim(0, dim)
-        if not self.grads:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_grads)
-        self.grads.append((param, out, _reduce_scatter_single(out, front, group=g.group, async_op=True), front))
-        while len(self.grads) > IN_FLIGHT:
-            param, out, work, _ = self.grads.pop(0)
-            _land(param, out, work)
+        self._queue_finish()
+        self._in_flight([(param, out)], _reduce_scatter_single(out, front, group=g.group, async_op=True), front)
         return None
 
     # --- saved-tensor hooks: a saved gathered weight is kept as its shard ----------------------
@@ -209,51 +334,59 @@ class FsdpState:
         entry = self.gathered.get(ptr)
         if entry is None:
             return t
-        ref, shard, dim, group = entry
+        ref, shard, dim, group, unit = entry
         root = ref()
         if root is None:
             del self.gathered[ptr]  # freed; the address now belongs to another tensor
             return t
         if not (t is root or t._base is root):
             return t
-        return _Regather(shard, dim, group, t, self.packed[-1])
+        return _Regather(shard, dim, group, unit, t, self.packed[-1])
 
     @staticmethod
     def unpack(x):
         if not isinstance(x, _Regather):
             return x
+        if x.launch is None and not x.used:
+            x.packed.launch(x.index)
         launch, x.launch, x.used = x.launch, None, True
-        full = launch.result() if launch is not None else _gather(x.shard, x.dim, x.group)
-        for j in range(x.index - 1, max(x.index - 1 - PREFETCH, -1), -1):  # the ones backward likely needs next
-            prev = x.packed.items[j]
-            if prev.launch is None and not prev.used and prev.param is not None:
-                prev.launch = _Gather(prev.param.movedim(0, prev.dim), prev.dim, prev.group)
+        full = launch[0].take(launch[1]) if launch is not None else _gather(x.shard, x.dim, x.group)
+        start = x.packed.spans[x.index][0] if x.packed.spans is not None else x.index
+        if start > 0:  # the unit backward likely needs next
+            x.packed.launch(start - 1)
         return full.as_strided(x.size, x.stride, x.offset)
 
 
 class _FsdpGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard, dim, g, state):
+    def forward(ctx, shard, dim, g, unit, state):
         ctx.dim, ctx.g, ctx.state = dim, g, state
+        if state.active:
+            full, ctx.unit, ctx.k = state.active[-1].gather(shard, dim, g, unit)
+        else:
+            full, ctx.unit, ctx.k = _gather(shard, dim, g), None, 0
         ctx.param = _param_of(shard, dim)
-        return state.active[-1].gather(shard, dim, g) if state.active else _gather(shard, dim, g)
+        return full
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.state.reduce_scatter(grad, ctx.dim, ctx.g, ctx.param), None, None, None
+        if ctx.unit is not None:
+            ctx.state.unit_grad(ctx.unit, ctx.k, grad)
+            return None, None, None, None, None
+        return ctx.state.reduce_scatter(grad, ctx.dim, ctx.g, ctx.param), None, None, None, None
 
 
-def fsdp_gather(shard, dim: int, g: AxisGroup, state: FsdpState):
+def fsdp_gather(shard, dim: int, g: AxisGroup, state: FsdpState, unit: str | None = None):
     """The whole weights on the axis of ``g`` from this rank's ``shard`` (cut on ``dim``);
     backward reduce-scatters the gradient (summed over the axis) onto the shard. ``state`` is
-    the model's (module doc)."""
-    full = _FsdpGather.apply(shard, dim, g, state)
+    the model's, ``unit`` the parameter's ZeRO-3 unit (module doc; None: a unit of its own)."""
+    full = _FsdpGather.apply(shard, dim, g, unit, state)
     if torch.is_grad_enabled() and full.requires_grad:
         # Keyed by storage, checked by the base tensor: the program may drop ``full`` itself
         # and pass on only views of it (a gradient sync on another axis, a transpose), and a
         # view keeps its base alive.
         root = full if full._base is None else full._base
-        state.gathered[full.untyped_storage().data_ptr()] = (weakref.ref(root), shard, dim, g)
+        state.gathered[full.untyped_storage().data_ptr()] = (weakref.ref(root), shard, dim, g, unit)
     return full
 
 

@@ -8,6 +8,7 @@ goes back to the test (tests/launcher.py), which compares it with a single-proce
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -211,7 +212,7 @@ def run_case(name: str, family: str, mesh: str | None, options: dict | None = No
         inputs = tuple(x if sl is None else x[sl].clone() for x, sl in zip(inputs, pm.input_slices()))
     unknown_ops = sorted({str(w.message) for w in caught if w.category.__name__ == "UnknownOpWarning"})
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    losses, sent_per_step, spied_per_step, grads = [], [], [], None
+    losses, sent_per_step, spied_per_step, calls_per_step, grads = [], [], [], [], None
     flops = FlopCounterMode(display=False)
     for step in range(STEPS):
         with count_bytes() as sent, ByteSpy() as spy, (flops if step == 0 else contextlib.nullcontext()):
@@ -224,11 +225,12 @@ def run_case(name: str, family: str, mesh: str | None, options: dict | None = No
         losses.append(loss.item())
         sent_per_step.append(dict(sent))
         spied_per_step.append(spy.sent)
+        calls_per_step.append(dict(collections.Counter(kind for kind, *_ in spy.calls)))
         opt.step()
         opt.zero_grad()
     mismatched = [m for ms in all_ranks(shard_mismatches(pm)) for m in ms]
     return dict(losses=losses, grads=grads, params=pm.full_state_dict(), sent=sent_per_step,
-                sent_by_rank=all_ranks(sent_per_step), spied_by_rank=all_ranks(spied_per_step),
+                sent_by_rank=all_ranks(sent_per_step), spied_by_rank=all_ranks(spied_per_step), calls=calls_per_step,
                 flops_by_rank=all_ranks(flops.get_total_flops()), single_flops=_single_flops(name),
                 shard_mismatches=mismatched, cut_params=sum(1 for s in pm.shards() if s.is_param and s.split_axes),
                 predicted=dict(pm.plan.comm_bytes), mesh=str(pm.plan.mesh), unknown_ops=unknown_ops,

@@ -12,6 +12,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_cases import build, case_key, train_single  # noqa: E402
 
+from autopar.runtime.fsdp import unit_key  # noqa: E402
+
 # A budget of 2 MB makes the tiny transformers' own choice shard (at a100 speeds and no
 # budget, replicating everything is fastest for models this small, and nothing is sent).
 TIGHT = {"memory_budget_bytes": 2e6}
@@ -91,6 +93,17 @@ def assert_compute_is_split(r: dict, family: str, world: int) -> None:
     # (memory, not time, was short); its plan is checked by shard shapes and bytes instead
 
 
+def assert_zero3_collectives_by_unit(r: dict) -> None:
+    """ZeRO-3 sends one flat all-gather per unit (a block, else a module; runtime/fsdp.py) in
+    forward and at most one in backward, and one reduce-scatter per unit, from the second step
+    on (the first forward records the order): not one collective per parameter. Counted by the
+    independent spy on the torch.distributed calls."""
+    units = {unit_key(k) for k in r["params"]}
+    for step, calls in enumerate(r["calls"][1:], 1):
+        assert 0 < calls.get("all_gather", 0) <= 2 * len(units), (step, calls, len(units))
+        assert 0 < calls.get("reduce_scatter", 0) <= len(units), (step, calls, len(units))
+
+
 CUTTING_FAMILIES = ("zero2", "zero3", "megatron", "megatron-dp", "2d", "2.5d", "3d", "megatron-sp")
 
 
@@ -136,6 +149,8 @@ def test_parallel_run_equals_single_process_and_bytes_match_plan(launched, world
     if family in ("zero2", "zero3"):
         assert r["param_numel"] < r["full_numel"] * 0.75, (r["param_numel"], r["full_numel"])
     assert_runs_as_planned(r, family, world)
+    if family == "zero3":
+        assert_zero3_collectives_by_unit(r)
     if family == "auto":  # the planner's own plan must parallelize something, or the case tests nothing
         assert r["cut_params"] > 0 or sum(r["predicted"].values()) > 0, r["strategies"]
     report_line(f"runtime {world} ranks {case_key(case).replace('/None', '')}: mesh {r['mesh']}, bytes/step "
