@@ -106,6 +106,7 @@ class Problem:
     # Activation recompute of repeated blocks the ILP may choose (cost_model/recompute.py)
     recompute: list = field(default_factory=list)
     host: Any = None  # ZeRO-Offload: host bytes per parameter option (cost_model/offload.HostMemory)
+    train: Any = None  # the TrainingSpec it was priced for (cost_model/liveness.py reads it)
 
     def strategy_of(self, name: str, choice: dict[str, int]) -> Strategy:
         """The strategy node ``name`` runs under a solved ``choice``."""

@@ -16,6 +16,7 @@ from .comm import bytes_sent_per_rank, collective_s
 from .fsdp_pricing import fsdp_fusions
 from .optimizer_norms import norm_allreduce_bytes
 from .problem import Problem, partial_grad_axes
+from .liveness import step_memory
 from .offload import host_bytes
 from .recompute import recompute_effect, recomputed_keys
 from .reshard import reshard_steps, transitions
@@ -62,9 +63,15 @@ class Prediction:
     activation_bytes: float
     comm_bytes: dict[str, float] = field(default_factory=dict)  # collective -> bytes sent per device per step
     host_bytes: float = 0.0  # ZeRO-Offload: optimizer state in host memory, per device (not in the peak)
+    # the step's peak device bytes walked block by block (cost_model/liveness.py); None: the sum
+    step_peak_bytes: float | None = None
+    bucket_bytes: float = 0.0  # gradient all-reduce buckets (in param_state_bytes)
+    peak_phase: str = ""  # where in the step the peak falls
 
     @property
     def peak_memory_bytes(self) -> float:
+        if self.step_peak_bytes is not None:
+            return self.step_peak_bytes
         return self.param_state_bytes + self.activation_bytes
 
     @property
@@ -88,6 +95,7 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
         for step, count in d.comm_steps[i]:
             sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * count
     shared = shared_reshards(problem, choice)
+    panels: dict[int, float] = {}
     for idx, e in enumerate(problem.edges):
         copies = e.count - shared.get(idx, 0)
         if not copies:
@@ -95,7 +103,10 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
         a = e.producer_layouts[choice[e.producer]]
         b = e.consumer_layouts[choice[e.consumer]]
         comm_s += e.seconds[(a, b)] * copies / e.count
-        acts_b += e.memory.get((a, b), 0.0) * copies / e.count  # gathered panels kept for backward
+        panel = e.memory.get((a, b), 0.0) * copies / e.count  # gathered panels kept for backward
+        acts_b += panel
+        if panel:
+            panels[idx] = panel
         fwd, bwd = reshard_steps(a, b, e.total_bytes, mesh, e.needs_grad)
         for step in fwd + bwd:
             sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * copies
@@ -119,4 +130,6 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
     node_s, comm_s, acts_b = node_s + rc_compute_s, comm_s + rc_comm_s, acts_b - rc_saved_b
     for kind, nbytes in rc_sent.items():
         sent[kind] += nbytes
-    return Prediction(node_s + comm_s, node_s, comm_s, params_b, acts_b, dict(sent), host_bytes(problem, choice))
+    mem = step_memory(problem, choice, panels) if problem.train is not None and problem.decisions else None
+    return Prediction(node_s + comm_s, node_s, comm_s, params_b, acts_b, dict(sent), host_bytes(problem, choice),
+                      mem.peak_bytes if mem else None, mem.bucket_bytes if mem else 0.0, mem.phase if mem else "")
