@@ -33,7 +33,8 @@ from autopar.strategy import REPLICATE_CODE, Layout
 from .costs import OPTIMIZER_STATE_BYTES, TrainingSpec
 from .hardware import Hardware
 
-__all__ = ["param_option_cost", "DeviceParts", "device_parts", "HostMemory", "add_host_memory", "host_bytes", "HOST_MASTER_AND_GRAD_BYTES"]
+__all__ = ["param_option_cost", "DeviceParts", "device_parts", "HostMemory", "add_host_memory", "host_bytes",
+           "HOST_MASTER_AND_GRAD_BYTES"]
 
 HOST_MASTER_AND_GRAD_BYTES = 8  # per element on the host besides the moments: fp32 master + fp32 gradient
 
