@@ -103,8 +103,15 @@ class Plan:
     problem: Any = field(default=None, repr=False, compare=False)
     choice: Any = field(default=None, repr=False, compare=False)
 
+    # The step's peak device bytes, walked block by block (cost_model/liveness.py: gradients and
+    # activations are never all alive at once); None (pipelines, old plan files): the sum above.
+    step_peak_bytes: float | None = None
+    bucket_bytes: float = 0.0  # gradient all-reduce buckets (counted in param_state_bytes)
+
     @property
     def peak_memory_bytes_per_device(self) -> float:
+        if self.step_peak_bytes is not None:
+            return self.step_peak_bytes
         return self.param_state_bytes + self.activation_bytes
 
     def node(self, name: str) -> NodePlan:
@@ -136,6 +143,8 @@ class Plan:
                 "peak_memory_bytes_per_device": self.peak_memory_bytes_per_device,
                 "param_state_bytes_per_device": self.param_state_bytes,
                 "activation_bytes_per_device": self.activation_bytes,
+                "step_peak_bytes_per_device": self.step_peak_bytes,
+                "bucket_bytes_per_device": self.bucket_bytes,
                 "comm_bytes_per_device": dict(self.comm_bytes),
             },
             "solver": {"name": self.solver.name, "status": self.solver.status, "seconds": self.solver.seconds,
@@ -224,6 +233,9 @@ class Plan:
             graph_fingerprint=str(d.get("graph_fingerprint", "")),
             recompute=tuple(str(x) for x in d.get("recompute", ())),
             host_bytes=float(d.get("host_bytes_per_device", 0.0)),
+            step_peak_bytes=(float(pred["step_peak_bytes_per_device"])
+                             if pred.get("step_peak_bytes_per_device") is not None else None),
+            bucket_bytes=float(pred.get("bucket_bytes_per_device", 0.0)),
             pipeline=PipelineInfo.from_dict(d["pipeline"]) if d.get("pipeline") else None,
             stage_plans=tuple(cls._from_dict(p) for p in d.get("stage_plans", ())),
         )

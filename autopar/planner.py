@@ -342,4 +342,5 @@ def _to_plan(gm, best: Solved, hw, train, budget, strategy, baseline_results, n_
                            r.n_constraints, n_solved, seconds, search_note),
         baselines=tuple(baseline_results), nodes=tuple(nodes), graph_fingerprint=graph_fingerprint(gm),
         recompute=chosen_recompute(problem, choice), host_bytes=p.host_bytes, problem=problem, choice=dict(choice),
+        step_peak_bytes=p.step_peak_bytes, bucket_bytes=p.bucket_bytes,
     )

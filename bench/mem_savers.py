@@ -5,10 +5,13 @@ Megatron-DP, a tiny Hugging Face Llama under data parallelism, ZeRO-3 GPT; fp32,
 steps) and prints, per rank 0, what the plan predicts and what ``bench/memtrack.py`` measured
 on the second step (the optimizer state exists by then):
 
-* activations: the plan's activation bytes vs the live bytes the forward leaves for backward;
-* device state: parameters + gradients + device-side optimizer state;
+* activations: the plan's activation bytes (with recompute: what the forward keeps plus one
+  block's recomputed activations) vs the live bytes the forward leaves for backward;
+* device state: parameters + gradients + device-side optimizer state (the gradient buckets the
+  runtime keeps, ``runtime/grad_buckets.py``, are predicted apart; the run counts them in the peak);
 * host: the offloaded master, moments and gradient buffer (counted as host, not device);
-* peak: the plan's peak per device vs the whole step's measured device peak;
+* peak: the plan's step peak per device (``cost_model/liveness.py``) vs the whole step's measured
+  device peak;
 * and each saver's fall from its baseline (recompute none, offload off), predicted vs measured.
 
     python bench/mem_savers.py            # ~5 min on an idle 2-core machine
@@ -16,17 +19,13 @@ on the second step (the optimizer state exists by then):
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from launcher import launch  # noqa: E402
 from mem_cases import case_key  # noqa: E402
 
 MEG = {"strategy": "megatron-dp"}
@@ -40,18 +39,10 @@ FALLS = [(CASES[1], CASES[0]), (CASES[2], CASES[0]), (CASES[4], CASES[3]), (CASE
          (CASES[6], CASES[0]), (CASES[8], CASES[7])]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run() -> dict:
-    out = os.path.join(tempfile.mkdtemp(), "results.pt")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    subprocess.run([sys.executable, os.path.join(HERE, "..", "tests", "mem_cases.py"), "4", str(_port()), out,
-                    json.dumps(CASES)], check=True, env=env, capture_output=True)
-    return torch.load(out, weights_only=False)
+    """Every case on 4 gloo ranks in one launch (tests/launcher.py)."""
+    cases = [(case_key(c), "mem_cases:case", {"name": c[0], "options": c[1]}) for c in CASES]
+    return launch(4, cases, tempfile.mkdtemp(), env={"PYTHONWARNINGS": "ignore"})
 
 
 def _kb(x: float) -> str:
@@ -60,9 +51,9 @@ def _kb(x: float) -> str:
 
 def main() -> None:
     r = _run()
-    print("| case | activations pred / meas KiB | device state pred / meas KiB | host pred / meas KiB "
-          "| step peak pred / meas KiB |")
-    print("|---|---|---|---|---|")
+    print("| case | activations pred / meas KiB | device state pred / meas KiB | buckets pred KiB "
+          "| host pred / meas KiB | step peak pred / meas KiB | meas / pred |")
+    print("|---|---|---|---|---|---|---|")
     for case in CASES:
         v = r[case_key(case)]
         if "error" in v:
@@ -70,8 +61,10 @@ def main() -> None:
             continue
         print(f"| {case_key(case)} | {_kb(v['predicted_activation_bytes'])} / {_kb(v['kept_bytes'])} "
               f"| {_kb(v['predicted_device_state_bytes'])} / {_kb(v['device_state_bytes'])} "
+              f"| {_kb(v.get('predicted_bucket_bytes', 0))} "
               f"| {_kb(v['predicted_host_bytes'])} / {_kb(v['host_bytes'])} "
-              f"| {_kb(v['predicted_peak_bytes'])} / {_kb(v['step_peak_bytes'])} |")
+              f"| {_kb(v['predicted_peak_bytes'])} / {_kb(v['step_peak_bytes'])} "
+              f"| {v['step_peak_bytes'] / v['predicted_peak_bytes']:.2f} |")
     print()
     print("| saver vs baseline | device peak fall pred KiB | meas KiB | meas / pred |")
     print("|---|---|---|---|")

@@ -32,6 +32,7 @@ from autopar.strategy import Layout, Strategy
 from autopar.technique import Region
 
 from .hardware import Hardware
+from .saved_inputs import kept_output, saved_facts
 
 __all__ = ["TrainingSpec", "node_flops", "compute_seconds", "activation_bytes", "param_state_bytes",
            "is_view", "OPTIMIZER_STATE_BYTES", "RECOMPUTE_MODES"]
@@ -175,15 +176,21 @@ def _has_contraction(node: fx.Node) -> bool:
 
 
 def activation_bytes(node: fx.Node, strategy: Strategy, mesh: MeshSpec, train: TrainingSpec,
-                     needs_grad: bool) -> float:
-    """Bytes this node keeps alive until its backward, on one device."""
+                     needs_grad: bool, needs: dict[str, bool] | None = None) -> float:
+    """Bytes this node keeps alive until its backward, on one device. With ``needs`` (which
+    nodes need a gradient), as autograd keeps them (``saved_inputs.kept_output``): its output
+    only where it or a reader saves it, plus what the op saves besides (layer norm's
+    statistics, attention's log-sum-exp); without, its output always (an upper bound)."""
     if not needs_grad or is_view(node):
         return 0.0
     outs = _tensors(node)
+    keep = True if needs is None else kept_output(node, needs, _VIEWS)
     total = 0.0
     for t, layout in zip(outs, strategy.outputs):
         elem = train.activation_bytes_per_elem if t.dtype.is_floating_point else t.element_size()
-        total += t.numel() * elem * layout.local_fraction(mesh)
+        total += t.numel() * elem * layout.local_fraction(mesh) * keep
+    if needs is not None:  # per-row statistics and the like: split as the op's work is
+        total += saved_facts(node, needs).extra_bytes / work_split(strategy, mesh)
     return total
 
 

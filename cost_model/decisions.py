@@ -107,6 +107,7 @@ class Problem:
     recompute: list = field(default_factory=list)
     host: Any = None  # ZeRO-Offload: host bytes per parameter option (cost_model/offload.HostMemory)
     comm_overlap: float = 0.0  # Hardware.comm_overlap: asynchronous collectives hidden (cost_model/overlap.py)
+    train: Any = None  # the TrainingSpec it was priced for (cost_model/liveness.py reads it)
 
     def strategy_of(self, name: str, choice: dict[str, int]) -> Strategy:
         """The strategy node ``name`` runs under a solved ``choice``."""

@@ -17,6 +17,7 @@ from .comm import bytes_sent_per_rank, collective_s
 from .fsdp_pricing import fsdp_fusions
 from .optimizer_norms import norm_allreduce_bytes
 from .problem import Problem, partial_grad_axes
+from .liveness import step_memory
 from .offload import host_bytes
 from .overlap import hidden_comm_seconds
 from .recompute import recompute_effect, recomputed_keys
@@ -66,9 +67,15 @@ class Prediction:
     host_bytes: float = 0.0  # ZeRO-Offload: optimizer state in host memory, per device (not in the peak)
     async_comm_seconds: float = 0.0  # of comm_seconds: run beside compute (gradient buckets, ZeRO-3)
     hidden_comm_seconds: float = 0.0  # of those: hidden behind compute (step = compute + comm - hidden)
+    # the step's peak device bytes walked block by block (cost_model/liveness.py); None: the sum
+    step_peak_bytes: float | None = None
+    bucket_bytes: float = 0.0  # gradient all-reduce buckets (in param_state_bytes)
+    peak_phase: str = ""  # where in the step the peak falls
 
     @property
     def peak_memory_bytes(self) -> float:
+        if self.step_peak_bytes is not None:
+            return self.step_peak_bytes
         return self.param_state_bytes + self.activation_bytes
 
     @property
@@ -95,6 +102,7 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
     shared = shared_reshards(problem, choice)
     fused, regathers = fsdp_fusions(problem, choice, recomputed_keys(problem, choice))  # ZeRO-3 as runtime.fsdp runs it
     gathered = {(tensor, layout) for tensor, _, layout in fused}
+    panels: dict[int, float] = {}
     for idx, e in enumerate(problem.edges):
         copies = e.count - shared.get(idx, 0)
         if not copies:
@@ -105,7 +113,10 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
         comm_s += edge_s
         if problem.decisions[e.producer].is_param and (e.tensor, b) in gathered:
             async_s += edge_s  # a ZeRO-3 gather, prefetched (runtime.fsdp)
-        acts_b += e.memory.get((a, b), 0.0) * copies / e.count  # gathered panels kept for backward
+        panel = e.memory.get((a, b), 0.0) * copies / e.count  # gathered panels kept for backward
+        acts_b += panel
+        if panel:
+            panels[idx] = panel
         fwd, bwd = reshard_steps(a, b, e.total_bytes, mesh, e.needs_grad)
         for step in fwd + bwd:
             sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * copies
@@ -135,5 +146,7 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
     for kind, nbytes in rc_sent.items():
         sent[kind] += nbytes
     hidden_s = hidden_comm_seconds(async_s, window_s, problem.comm_overlap)
+    mem = step_memory(problem, choice, panels) if problem.train is not None and problem.decisions else None
     return Prediction(node_s + comm_s - hidden_s, node_s, comm_s, params_b, acts_b, dict(sent),
-                      host_bytes(problem, choice), async_s, hidden_s)
+                      host_bytes(problem, choice), async_s, hidden_s,
+                      mem.peak_bytes if mem else None, mem.bucket_bytes if mem else 0.0, mem.phase if mem else "")

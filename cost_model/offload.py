@@ -28,33 +28,64 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from autopar.mesh import MeshSpec
-from autopar.strategy import Layout
+from autopar.strategy import REPLICATE_CODE, Layout
 
 from .costs import OPTIMIZER_STATE_BYTES, TrainingSpec
 from .hardware import Hardware
 
-__all__ = ["param_option_cost", "HostMemory", "add_host_memory", "host_bytes", "HOST_MASTER_AND_GRAD_BYTES"]
+__all__ = ["param_option_cost", "DeviceParts", "device_parts", "HostMemory", "add_host_memory", "host_bytes",
+           "HOST_MASTER_AND_GRAD_BYTES"]
 
 HOST_MASTER_AND_GRAD_BYTES = 8  # per element on the host besides the moments: fp32 master + fp32 gradient
 
 
-def param_option_cost(numel: int, layout: Layout, mesh: MeshSpec, hw: Hardware, train: TrainingSpec,
-                      zero_axes: Sequence[int] = ()) -> tuple[float, float, float]:
-    """(optimizer-step seconds, device bytes, host bytes) of one parameter stored in ``layout``."""
+@dataclass(frozen=True)
+class DeviceParts:
+    """A parameter's device bytes by kind (``cost_model.liveness`` places each kind in the step)."""
+
+    weights: float
+    grads: float
+    state: float  # optimizer state (and fp32 master) kept on the device
+    bucket: float  # its slot in a gradient all-reduce bucket (runtime/grad_buckets.py)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.state + self.bucket
+
+
+def device_parts(numel: int, layout: Layout, mesh: MeshSpec, train: TrainingSpec,
+                 zero_axes: Sequence[int] = ()) -> DeviceParts:
+    """The device bytes of one parameter stored in ``layout``. A parameter replicated on some
+    axis of size > 1 and not ZeRO-split has its gradient all-reduced through a flat bucket that
+    the runtime allocates once and keeps (``runtime/grad_buckets.py``, as DDP's reducer does),
+    in the wire precision; ZeRO-2/3 gradients are reduce-scattered without one."""
     local = numel * layout.local_fraction(mesh)
     split = math.prod(mesh.sizes[a] for a in zero_axes)
     weights = local * train.param_bytes_per_elem
     grads = local * train.param_bytes_per_elem / split
-    state = local * train.state_bytes_per_elem / split
+    state = 0.0 if train.offload else local * train.state_bytes_per_elem / split
+    replicated = any(mesh.sizes[a] > 1 and layout.codes[a] == REPLICATE_CODE for a in range(mesh.ndim))
+    bucket = local * train.activation_bytes_per_elem if replicated and not zero_axes else 0.0
+    return DeviceParts(weights, grads, state, bucket)
+
+
+def param_option_cost(numel: int, layout: Layout, mesh: MeshSpec, hw: Hardware, train: TrainingSpec,
+                      zero_axes: Sequence[int] = ()) -> tuple[float, float, float]:
+    """(optimizer-step seconds, device bytes, host bytes) of one parameter stored in ``layout``;
+    the device bytes include its gradient bucket slot (:func:`device_parts`)."""
+    parts = device_parts(numel, layout, mesh, train, zero_axes)
+    local = numel * layout.local_fraction(mesh)
+    split = math.prod(mesh.sizes[a] for a in zero_axes)
+    weights, grads = parts.weights, parts.grads
     if not train.offload:
-        device = weights + grads + state
+        streamed = weights + grads + parts.state
         # the optimizer step streams weights, gradients and state once
-        return device / (hw.efficiency * hw.memory_bandwidth_bytes_per_s), device, 0.0
+        return streamed / (hw.efficiency * hw.memory_bandwidth_bytes_per_s), parts.total, 0.0
     moved = grads + weights / split  # gradient piece down, updated weight piece up
     seconds = moved / hw.host_link_bytes_per_s + local / split / hw.host_adam_params_per_s
     # moments, the fp32 master copy and the fp32 gradient buffer (runtime/offload.py)
     host = local / split * (OPTIMIZER_STATE_BYTES[train.optimizer] + HOST_MASTER_AND_GRAD_BYTES)
-    return seconds, weights + grads, host
+    return seconds, parts.total, host
 
 
 @dataclass

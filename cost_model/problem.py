@@ -50,7 +50,7 @@ from .costs import TrainingSpec, activation_bytes, compute_seconds
 from .hardware import Hardware
 from .offload import add_host_memory, param_option_cost
 from .recompute import add_recompute
-from .reshard import CommStep, reshard_seconds, reshard_steps, steps_seconds
+from .reshard import CommStep, reshard_seconds, reshard_steps, steps_seconds, transitions
 
 __all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins", "partial_grad_axes", "zero2_steps"]
 
@@ -243,7 +243,7 @@ class _Builder:
         if n.op in ("placeholder", "get_attr"):
             return 0.0, _tensor_bytes(n.meta["val"], train) * st.output.local_fraction(mesh)
         fwd, bwd = compute_seconds(n, st, mesh, hw, train, self.needs[n.name])
-        return fwd + bwd, activation_bytes(n, st, mesh, train, self.needs[n.name])
+        return fwd + bwd, activation_bytes(n, st, mesh, train, self.needs[n.name], self.needs)
 
     def add_follower(self, n: fx.Node) -> bool:
         (producer, out_idx), = _inputs(n)
@@ -391,7 +391,9 @@ class _Builder:
         if v.target not in _SAVING_CONTRACTIONS or self.decisions[ukey].is_param:
             return {}
         # per copy; edges_and_syncs multiplies by the copies whose op keeps it
-        return {(a, b): total * b.local_fraction(self.mesh) for a, b in pairs if a != b}
+        # only where the runtime moves it (a layout change with no step is the same storage)
+        return {(a, b): total * b.local_fraction(self.mesh) for a, b in pairs
+                if any(self.mesh.sizes[t.axis] > 1 for t in transitions(a, b))}
 
     def _split_axes(self, d: Decision) -> list[tuple[int, ...]]:
         """Per option, the axes on which the gradient of a replicated input comes back partial."""
@@ -431,6 +433,7 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: Train
     leaves ZeRO-2 out of the parameters' options."""
     builder = _Builder(gm, mesh, hw, train, pins, zero2)
     problem = builder.build()
+    problem.train = train
     # block runs the ILP may recompute (cost_model/recompute.py); their forward runs again
     add_recompute(problem, hw, train, lambda n, st: builder.algorithm_steps(n, st, backward=False))
     add_host_memory(problem, hw, train)  # ZeRO-Offload's host bytes (cost_model/offload.py)

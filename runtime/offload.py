@@ -115,4 +115,8 @@ def make_optimizer(module: nn.Module, lr: float = 1e-3, betas: tuple[float, floa
     params = [p for p in module.parameters() if p.requires_grad]
     if plan_offloads(plan):
         return OffloadAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    # torch's fused kernel (CUDA and CPU): one pass, no temporaries besides the state, as the
+    # cost model's memory walk assumes (cost_model/liveness.py); the loop where it cannot run.
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") and type(p) in (torch.Tensor, nn.Parameter)
+                for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None)

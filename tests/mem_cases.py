@@ -93,7 +93,9 @@ def run_case(name: str, options: dict) -> dict:
                 predicted_activation_bytes=pm.plan.activation_bytes,
                 strategies={n.name: n.strategy for n in pm.plan.nodes},
                 offloaded=bool(host), host_bytes=host_bytes, predicted_host_bytes=pm.plan.host_bytes,
-                device_state_bytes=state_bytes, predicted_device_state_bytes=pm.plan.param_state_bytes,
+                device_state_bytes=state_bytes,
+                predicted_device_state_bytes=pm.plan.param_state_bytes - pm.plan.bucket_bytes,  # buckets apart
+                predicted_bucket_bytes=pm.plan.bucket_bytes,
                 step_peak_bytes=step_peak, predicted_peak_bytes=pm.plan.peak_memory_bytes_per_device)
 
 

@@ -160,5 +160,38 @@ def test_pipeline_stages_recompute_hold_only_block_inputs_in_flight():
     assert keep.recompute == () and not keep.pipeline.recompute
     assert full.recompute == ("blocks",) and full.pipeline.recompute
     assert full.activation_bytes < 0.5 * keep.activation_bytes
-    assert full.param_state_bytes == pytest.approx(keep.param_state_bytes)  # same layouts, recomputed
+    # same layouts, recomputed (per stage chunk: the plan's own figure is its fullest stage's, and
+    # which stage is fullest moves when its activations shrink)
+    assert [p.param_state_bytes for p in full.stage_plans] == pytest.approx([p.param_state_bytes
+                                                                            for p in keep.stage_plans])
     assert autopar.Plan.from_json(full.to_json()).pipeline.recompute
+
+
+# The memory model against the run (bench/memtrack.py on rank 0, second step): ZeRO-3's
+# gathered weights and whole gradients in flight are not in the step walk yet (README), so
+# its cases are left out of the peak check.
+PEAK_CASES = [c for c in CASES if c[1].get("strategy") in ("megatron-dp", "dp")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PEAK_CASES, ids=[case_key(c) for c in PEAK_CASES])
+def test_step_peak_matches_the_plan_within_10_percent(results, case, report_line):
+    r = results[case_key(case)]
+    assert "error" not in r, r["error"]
+    # cost_model/liveness.py: persistent state + buckets, then activations freed and gradients
+    # made block by block; the sum of everything (the ILP's row) is 15% over on gpt-tiny
+    ratio = r["step_peak_bytes"] / r["predicted_peak_bytes"]
+    assert abs(ratio - 1) <= 0.10, (r["step_peak_bytes"], r["predicted_peak_bytes"])
+    report_line(f"step peak {case_key(case)}: measured {r['step_peak_bytes']:,.0f} B, predicted "
+                f"{r['predicted_peak_bytes']:,.0f} B ({ratio:.2f})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in CASES if c[1].get("recompute") == "none"],
+                         ids=[case_key(c) for c in CASES if c[1].get("recompute") == "none"])
+def test_activations_kept_by_forward_match_the_plan_within_10_percent(results, case):
+    r = results[case_key(case)]
+    assert "error" not in r, r["error"]
+    # costs.activation_bytes counts what autograd saves (saved_inputs.kept_output); counting
+    # every op's output, as before, was 31% over on gpt-tiny and 91% over on the Llama
+    assert r["kept_bytes"] == pytest.approx(r["predicted_activation_bytes"], rel=0.10)

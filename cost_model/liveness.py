@@ -1,0 +1,150 @@
+"""Peak device bytes over one training step: what is alive when, block by block.
+
+The ILP's memory row adds everything a plan holds (weights, gradients, optimizer state,
+gradient buckets, every kept activation, one recomputed block's activations): an upper
+bound, linear in the choices. The step never holds all of it at once: gradients do not exist
+when the forward ends (the optimizer's ``zero_grad`` frees them), and activations are freed
+as backward walks back through the model while gradients appear. This module walks the step
+at the granularity of repeated blocks (``cost_model.blocks``) and returns the largest sum:
+
+* ``P``, persistent: weights, device-side optimizer state and gradient buckets
+  (``offload.device_parts``; a bucket is allocated once and kept, as DDP's reducer does);
+* the forward ends with every kept activation alive: the ops before the first block (``E``),
+  each block copy's kept bytes (``K``: all of ``F``, its activations, or only what a recomputed
+  block keeps: its boundary), and the ops after the last block (``H``, the head and the loss);
+* backward of the head: ``P + E + sum K + H +`` the head's gradients;
+* backward of block copy ``j`` (last to first): the head's activations are freed, the copies
+  before ``j`` still hold ``K`` each, copy ``j`` holds all of ``F`` (kept, or recomputed now),
+  and the gradients of the head and of copies ``j..last`` exist; linear in ``j``, so the
+  largest is at the first or the last copy;
+* the optimizer step: ``P +`` every gradient.
+
+Activations follow ``costs.activation_bytes`` (what autograd saves). Not modelled: transient
+tensors (gradients of activations in flight, an op's workspace), which last one op each; the
+optimizer's own temporaries (the runtime's AdamW is torch's fused kernel, which makes none:
+``runtime/offload.make_optimizer``). A run of blocks whose copies interleave with another
+run's (an encoder-decoder) is walked run after run, in the order their first ops appear.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .blocks import block_of, split_recompute_entry
+from .offload import device_parts
+from .recompute import chosen_recompute
+
+__all__ = ["StepMemory", "step_memory"]
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    peak_bytes: float
+    phase: str  # where the peak falls: "head backward", "block backward", "optimizer step"
+    persistent_bytes: float  # weights + device optimizer state + gradient buckets
+    bucket_bytes: float
+    grad_bytes: float
+    kept_activation_bytes: float  # alive when the forward ends
+
+
+@dataclass
+class _Run:
+    count: int = 1
+    recomputed: float = 0.0  # activations a recompute frees after the forward (per copy)
+    ops: list[tuple[int, float, float]] = field(default_factory=list)  # (position, activation, gradient) per copy
+    first: int = 0  # graph position of its first op
+
+    @property
+    def full(self) -> float:
+        return sum(a for _, a, _ in self.ops)
+
+    @property
+    def grads(self) -> float:
+        return sum(g for _, _, g in self.ops)
+
+
+def _walk(ops: list[tuple[int, float, float]]) -> float:
+    """Largest ``activations not yet freed + gradients made`` while backward runs through
+    ``ops`` (last to first): op k's activation is freed by its backward, which makes its
+    parameters' gradients."""
+    ops = sorted(ops)
+    acts = sum(a for _, a, _ in ops)
+    grads = 0.0
+    best = acts
+    for _, a, g in reversed(ops):
+        grads += g
+        best = max(best, acts + grads)
+        acts -= a
+    return max(best, grads)
+
+
+def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -> StepMemory:
+    """The step's peak device bytes under ``choice``; ``edge_bytes``: per edge index, the kept
+    panel bytes ``evaluate`` counted (all copies)."""
+    graph_nodes = list(next(iter(problem.decisions.values())).node.graph.nodes) if problem.decisions else []
+    pos = {n: i for i, n in enumerate(graph_nodes)}
+    in_block = [pos[n] for n in graph_nodes if n.op == "call_function" and block_of(n) is not None]
+    lo, hi = (min(in_block), max(in_block)) if in_block else (len(pos), len(pos))
+    runs: dict[str, _Run] = defaultdict(_Run)
+    pre: list[tuple[int, float, float]] = []
+    head: list[tuple[int, float, float]] = []
+    persistent = bucket = 0.0
+
+    def add(node, at: int, act: float, grad: float, copies: int) -> None:
+        b = block_of(node)
+        if b is not None:
+            run = runs[b[0]]
+            run.count = max(run.count, copies)
+            run.ops.append((at, act / copies, grad / copies))
+            run.first = min(run.first or at, at)
+        else:
+            (pre if at < lo else head).append((at, act, grad))
+
+    for key, d in problem.decisions.items():
+        i = choice[key]
+        if d.is_param:
+            st, zero = d.options[i]
+            parts = device_parts(d.node.meta["val"].numel(), st.output, problem.mesh, problem.train, zero)
+            persistent += (parts.weights + parts.state + parts.bucket) * d.count
+            bucket += parts.bucket * d.count
+            # its gradient exists from the backward of its last reader in the forward on
+            last = max((pos.get(u, 0) for u in d.node.users), default=0)
+            add(d.node if block_of(d.node) is not None else graph_nodes[last] if last else d.node, last,
+                0.0, parts.grads * d.count, d.count)
+            continue
+        add(d.node, pos.get(d.node, 0), d.memory_bytes[i], 0.0, d.count)
+    for idx, nbytes in edge_bytes.items():
+        d = problem.decisions[problem.edges[idx].consumer]
+        add(d.node, pos.get(d.node, 0), nbytes, 0.0, d.count)
+    chosen = set(chosen_recompute(problem, choice))
+    for term in getattr(problem, "recompute", ()):
+        if term.prefix not in chosen:
+            continue
+        run = runs[split_recompute_entry(term.prefix)[0]]
+        for key in term.keys - term.boundary:
+            d = problem.decisions[key]
+            run.recomputed += d.memory_bytes[choice[key]] / d.count
+        for idx, nbytes in edge_bytes.items():
+            if problem.edges[idx].consumer in term.keys:
+                run.recomputed += nbytes / problem.decisions[problem.edges[idx].consumer].count
+    ordered = sorted(runs.values(), key=lambda r: r.first)
+    pre_acts = sum(a for _, a, _ in pre)
+    kept_blocks = sum(r.count * (r.full - r.recomputed) for r in ordered)
+    g_head, g_pre = sum(g for _, _, g in head), sum(g for _, _, g in pre)
+    grads = g_pre + g_head + sum(r.count * r.grads for r in ordered)
+    points = [(persistent + pre_acts + kept_blocks + _walk(head), "head backward")]
+    earlier = kept_blocks
+    later_grads = g_head
+    for r in reversed(ordered):
+        keep = r.full - r.recomputed
+        earlier -= r.count * keep
+        inner = _walk(r.ops)  # the copy being walked holds all of its activations (kept or recomputed)
+        for j in {r.count - 1, 0}:
+            points.append((persistent + pre_acts + earlier + j * keep + later_grads + (r.count - 1 - j) * r.grads
+                           + inner, "block backward"))
+        later_grads += r.count * r.grads
+    points.append((persistent + later_grads + _walk(pre), "embedding backward"))
+    points.append((persistent + grads, "optimizer step"))
+    peak, phase = max(points, key=lambda p: p[0])
+    return StepMemory(peak, phase, persistent, bucket, grads, pre_acts + kept_blocks + sum(a for _, a, _ in head))
