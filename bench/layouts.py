@@ -45,7 +45,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch._dynamo  # noqa: F401  (loaded by every trace; kept out of the per-plan times)
 import torch.export  # noqa: F401
@@ -57,6 +56,8 @@ from autopar.errors import AutoparError
 from autopar.models.gpt import GPTConfig, gpt
 from autopar.planner import plan
 from autopar.tp_families import layout_kind
+
+from layouts_text import Entry, cell_time, entry_cells, explain, fmt_ratio, ratio, table
 
 WIDTHS = (1024, 4096, 12288)
 DEVICES = (8, 64, 512)
@@ -80,31 +81,6 @@ PAPERS = (("1D", "2D", 1.48, "Optimus, arXiv 2104.05343 (vs Megatron, 64 GPUs)")
 
 class _WallCap(Exception):
     pass
-
-
-@dataclass
-class Entry:
-    width: int
-    devices: int
-    layout: str
-    family: str
-    status: str  # "ok", "does not fit", "-", "error", "timeout", "skipped"
-    reason: str = ""
-    mesh: str = ""
-    kind: str = ""
-    step_s: float = math.nan
-    compute_s: float = math.nan
-    comm_s: float = math.nan
-    peak_bytes: float = math.nan
-    param_state_bytes: float = math.nan
-    activation_bytes: float = math.nan
-    sent_bytes: float = math.nan
-    comm_bytes: dict = field(default_factory=dict)
-    split_weights: str = ""  # weight matrices (2+ dims) stored split on some axis / all of them
-    loss_comm_s: float = math.nan  # communication on the edges into the loss (logits resharded)
-    loss_sent_bytes: float = math.nan
-    plan_s: float = 0.0
-    others: list = field(default_factory=list)  # 1D: the other family's figures
 
 
 _LOSS_OPS = ("cross_entropy_loss", "nll_loss")
@@ -193,34 +169,6 @@ def _plan_one(gm, n: int, family: str, width: int, hardware: str, budget: float 
             signal.signal(signal.SIGALRM, old)
     e.plan_s = time.perf_counter() - t0
     return e
-
-
-def _top_collective(e: Entry) -> str:
-    if not e.comm_bytes:
-        return "-"
-    k, v = max(e.comm_bytes.items(), key=lambda kv: kv[1])
-    return f"{k} {v / GIB:.2f}"
-
-
-def _cell_time(e: Entry) -> str:
-    return f"{e.step_s * 1e3:.1f}" if e.status == "ok" else e.status
-
-
-def _fmt_ratio(r: float | None) -> str:
-    return "-" if r is None or not math.isfinite(r) else f"{r:.2f}x"
-
-
-def _ratio(num: Entry | None, den: Entry | None) -> float | None:
-    if num is None or den is None or num.status != "ok" or den.status != "ok":
-        return None
-    return num.step_s / den.step_s
-
-
-def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    fmt = lambda cells: "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                                  for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    return [fmt(headers), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
 
 
 def _best_1d(entries: list[Entry]) -> Entry:
@@ -335,8 +283,8 @@ def main() -> None:
         for layout in LAYOUTS:
             e = row[layout]
             fam = f" ({e.family})" if layout == "1D" else ""
-            rows.append(_entry_cells(e, layout + fam, row["1D"]))
-    for line in _table(["d", "devices", "layout", "mesh", "kind", "split W", "step ms", "compute ms", "comm ms",
+            rows.append(entry_cells(e, layout + fam, row["1D"]))
+    for line in table(["d", "devices", "layout", "mesh", "kind", "split W", "step ms", "compute ms", "comm ms",
                         "->loss ms", "peak GiB", "sent GiB", "largest collective", "vs 1D", "plan s", "note"], rows,
                        {0, 1, 5, 6, 7, 8, 9, 10, 11, 13, 14}):
         print(line)
@@ -362,11 +310,11 @@ def main() -> None:
         win = min(ok, key=lambda k: ok[k].step_s) if ok else "-"
         win_fixed = min(fixed, key=lambda k: fixed[k].step_s) if fixed else "-"
         auto = row["auto"]
-        rows.append([str(d), str(n), _cell_time(one_d)]
-                    + [_fmt_ratio(_ratio(one_d, row[k])) if row[k].status == "ok" else row[k].status
+        rows.append([str(d), str(n), cell_time(one_d)]
+                    + [fmt_ratio(ratio(one_d, row[k])) if row[k].status == "ok" else row[k].status
                        for k in LAYOUTS[1:]]
                     + [auto.kind if auto.status == "ok" else "", win, win_fixed])
-    for line in _table(["d", "devices", "1D step ms", "2D", "2.5D", "3D", "auto", "auto is", "fastest",
+    for line in table(["d", "devices", "1D step ms", "2D", "2.5D", "3D", "auto", "auto is", "fastest",
                         "fastest pinned"], rows, {0, 1, 2, 3, 4, 5, 6}):
         print(line)
     print()
@@ -380,8 +328,8 @@ def main() -> None:
         rows = []
         for d, pr in paper_runs.items():
             for label, e in pr.items():
-                rows.append(_entry_cells(e, label, pr["1D tp=64"]))
-        for line in _table(["d", "devices", "layout", "mesh", "kind", "split W", "step ms", "compute ms",
+                rows.append(entry_cells(e, label, pr["1D tp=64"]))
+        for line in table(["d", "devices", "layout", "mesh", "kind", "split W", "step ms", "compute ms",
                             "comm ms", "->loss ms", "peak GiB", "sent GiB", "largest collective", "vs tp=64", "plan s",
                             "note"], rows, {0, 1, 5, 6, 7, 8, 9, 10, 11, 13, 14}):
             print(line)
@@ -395,15 +343,15 @@ def main() -> None:
                 pr = paper_runs.get(d, {})
                 sq_base = [pr.get("1D tp=64"), pr.get("1D dp=8,tp=8")] if base == "1D" else [pr.get("2D 8x8")] * 2
                 sq_lay = pr.get({"2D": "2D 8x8", "2.5D": "2.5D 4x4x4", "3D": "3D 4x4x4"}[lay])
-                rows.append([f"{lay} vs {base}", f"{paper:.2f}x", str(d), _fmt_ratio(_ratio(r[base], r[lay])),
-                             _fmt_ratio(_ratio(sq_base[0], sq_lay)), _fmt_ratio(_ratio(sq_base[1], sq_lay)), src])
-        for line in _table(["comparison", "paper", "d", "best meshes (tables 1-2)", "papers' grids, 1D = tp=64",
+                rows.append([f"{lay} vs {base}", f"{paper:.2f}x", str(d), fmt_ratio(ratio(r[base], r[lay])),
+                             fmt_ratio(ratio(sq_base[0], sq_lay)), fmt_ratio(ratio(sq_base[1], sq_lay)), src])
+        for line in table(["comparison", "paper", "d", "best meshes (tables 1-2)", "papers' grids, 1D = tp=64",
                             "papers' grids, 1D = dp=8,tp=8", "source"], rows, {1, 2, 3, 4, 5}):
             print(line)
         print("(best meshes: each family on its fastest mesh, 1D the faster of megatron and megatron-dp; papers' "
               "grids: table 3a; '-': one side does not fit or has no mesh)")
         print()
-        explanation = _explain(at64, paper_runs, hw.devices_per_node)
+        explanation = explain(at64, paper_runs, hw.devices_per_node)
         print("4. What the figures say (sentences generated from the predictions above, 64 devices)")
         for s in explanation:
             print(f"- {s}")
@@ -430,80 +378,12 @@ def main() -> None:
                    table={f"d={d},n={n}": {k: e.family for k, e in row.items()} for (d, n), row in results.items()},
                    paper_meshes={str(d): {k: clean(e) for k, e in pr.items()} for d, pr in paper_runs.items()},
                    papers=[dict(comparison=f"{lay} vs {base}", reported=paper, source=src,
-                                predicted_64_best_meshes={str(d): _ratio(r[base], r[lay]) for d, r in at64.items()})
+                                predicted_64_best_meshes={str(d): ratio(r[base], r[lay]) for d, r in at64.items()})
                            for base, lay, paper, src in PAPERS],
                    explanation=explanation)
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-
-
-def _entry_cells(e: Entry, label: str, base: Entry) -> list[str]:
-    ok = e.status == "ok"
-    ms = lambda s: f"{s * 1e3:.1f}" if ok and math.isfinite(s) else ""
-    return [str(e.width), str(e.devices), label, e.mesh or "-", e.kind if ok else "", e.split_weights, _cell_time(e),
-            ms(e.compute_s), ms(e.comm_s), ms(e.loss_comm_s),
-            f"{e.peak_bytes / GIB:.1f}" if ok else "", f"{e.sent_bytes / GIB:.2f}" if ok else "",
-            _top_collective(e) if ok else "",
-            ("1.00x" if ok else "-") if e is base else _fmt_ratio(_ratio(base, e)),
-            f"{e.plan_s:.1f}" if e.status != "skipped" else "-", "" if ok else e.reason]
-
-
-def _comm_words(e: Entry) -> str:
-    share = e.comm_s / e.step_s if e.step_s > 0 else math.nan
-    loss = (f", {e.loss_comm_s / e.comm_s:.0%} of it moving logits into the loss"
-            if math.isfinite(e.loss_comm_s) and e.comm_s > 0 and e.loss_comm_s >= 0.05 * e.comm_s else "")
-    return (f"{e.compute_s * 1e3:.0f} ms compute + {e.comm_s * 1e3:.0f} ms communication ({share:.0%}{loss}), "
-            f"{e.sent_bytes / GIB:.1f} GiB sent, {e.peak_bytes / GIB:.1f} GiB peak")
-
-
-def _explain(at64: dict[int, dict[str, Entry]], paper_runs: dict[int, dict[str, Entry]], per_node: int) -> list[str]:
-    """Sentences from the 64-device figures: which term dominates, what the bytes do, memory."""
-    out = []
-    for d, row in at64.items():
-        ok = {k: e for k, e in row.items() if e.status == "ok"}
-        one = ok.get("1D")
-        if one is None:
-            out.append(f"d={d}: 1D has no figure on 64 devices ({row['1D'].status}: {row['1D'].reason}).")
-        else:
-            out.append(f"d={d}, best meshes: 1D ({one.family}, {one.mesh}) {_comm_words(one)}.")
-            for k in ("2D", "2.5D", "3D"):
-                e = ok.get(k)
-                if e is None:
-                    out.append(f"d={d}: {k} has no figure: {row[k].status}"
-                               + (f" ({row[k].reason})." if row[k].reason else "."))
-                    continue
-                dc, dm = e.compute_s - one.compute_s, e.comm_s - one.comm_s
-                main = "communication" if abs(dm) >= abs(dc) else "compute"
-                out.append(f"d={d}: {k} on {e.mesh} is {one.step_s / e.step_s:.2f}x 1D's speed, the difference "
-                           f"mostly {main} ({dc * 1e3:+.0f} ms compute, {dm * 1e3:+.0f} ms communication): "
-                           f"{_comm_words(e)}; {e.sent_bytes / one.sent_bytes:.2f}x 1D's bytes, "
-                           f"{e.peak_bytes / one.peak_bytes:.2f}x its peak memory.")
-        a, fixed = ok.get("auto"), [e for k, e in ok.items() if k != "auto"]
-        if a is not None and fixed:
-            b = min(fixed, key=lambda e: e.step_s)
-            rel = b.step_s / a.step_s
-            out.append(f"d={d}: auto chooses {a.kind or '?'} on {a.mesh} ({a.split_weights} weight matrices stored "
-                       f"split; {a.step_s * 1e3:.1f} ms), {rel:.2f}x the "
-                       f"fastest pinned layout ({b.layout}, {b.step_s * 1e3:.1f} ms)"
-                       + ("; that pinned layout is outside auto's search space (auto keeps the outer axis of a "
-                          "3-axis mesh a data axis)" if rel < 1 - 1e-6 else "") + ".")
-        pr = paper_runs.get(d, {})
-        tp64, node = pr.get("1D tp=64"), pr.get("1D dp=8,tp=8")
-        grids = [e for k, e in pr.items() if not k.startswith("1D") and e.status == "ok"]
-        if tp64 is not None and tp64.status == "ok" and grids:
-            out.append(f"d={d}, papers' grids: 1D over all 64 devices spends {tp64.comm_s / tp64.step_s:.0%} of its "
-                       f"step communicating ({tp64.sent_bytes / GIB:.1f} GiB sent"
-                       + (f", its rings spanning {64 // per_node} nodes of {per_node}" if per_node < 64 else "") + "), "
-                       "so the grids beat it by " + ", ".join(f"{e.layout} {tp64.step_s / e.step_s:.2f}x"
-                                                                for e in grids)
-                       + (f"; against 1D inside a node x DP ({node.step_s * 1e3:.1f} ms) the same grids are at "
-                          + ", ".join(f"{node.step_s / e.step_s:.2f}x" for e in grids)
-                          if node is not None and node.status == "ok" else "") + ".")
-        elif tp64 is not None and tp64.status != "ok":
-            out.append(f"d={d}, papers' grids: 1D over all 64 devices {tp64.status} ({tp64.reason}): it keeps "
-                       "every activation whole on every device, so the papers' baseline has no figure at this batch.")
-    return out
 
 
 if __name__ == "__main__":
