@@ -251,9 +251,10 @@ _NDR_IB = Link(
 # kernel (meta-pytorch/autoparallel docs/how_autoparallel_chooses_a_strategy.md; FACTS.md).
 _GPU_EFFICIENCY = 0.7
 _GPU_KERNEL_OVERHEAD_S = 7e-6
-# NCCL kernels run on their own SMs beside compute kernels, and DDP / FSDP hide most of their
-# bucketed / prefetched traffic: an assumption, not measured here (autopar calibrate on the GPUs)
-_GPU_COMM_OVERLAP = 0.9
+# NCCL kernels run on their own SMs beside compute kernels, and DDP / FSDP hide much of their
+# bucketed / prefetched traffic, but how much is not measured for these profiles: they assume
+# none (0.0) until `autopar calibrate` on the GPUs measures it (a calibrated profile carries it)
+_GPU_COMM_OVERLAP = 0.0
 
 PROFILES: dict[str, Hardware] = {
     "a100-40gb": Hardware(
