@@ -11,10 +11,13 @@ from ep_cases import BATCH, EPS, LR, SEQ, STEPS, build_mixtral
 from autopar.runtime.expert_parallel import predict_bytes
 
 WORLD = 4
-# Run in the session's shared 4-rank launch (tests/launcher.py).
-LAUNCH_CASES = {WORLD: [("planned", "ep_cases:case_mixtral_planned", {}),
-                        ("even", "ep_cases:case_mixtral_planned", {"top_k": 4}),
-                        ("ep", "ep_cases:case_mixtral_ep", {}),
+# The kernel-by-hand cases run in the session's shared 4-rank launch (tests/launcher.py). The
+# planner's cases run in a launch of their own: in a shared launch, after other files' cases, a
+# rank's trace of the Mixtral once differed from rank 0's (fingerprint mismatch; cause not found),
+# and the rank that raised left the others in a collective until gloo's timeout ended the launch.
+PLANNED_CASES = [("planned", "ep_cases:case_mixtral_planned", {}),
+                 ("even", "ep_cases:case_mixtral_planned", {"top_k": 4})]
+LAUNCH_CASES = {WORLD: [("ep", "ep_cases:case_mixtral_ep", {}),
                         ("ep_broken", "ep_cases:case_mixtral_ep", {"break_combine_scale": True}),
                         ("ep_8_experts", "ep_cases:case_mixtral_ep", {"experts": 8})]}
 
@@ -22,6 +25,13 @@ LAUNCH_CASES = {WORLD: [("planned", "ep_cases:case_mixtral_planned", {}),
 @pytest.fixture
 def results(launched):
     return launched(WORLD)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    from launcher import launch
+
+    return launch(WORLD, PLANNED_CASES, tmp_path_factory.mktemp("ep_planned"))
 
 
 @pytest.fixture(scope="module")
@@ -113,16 +123,16 @@ def test_a_wrong_gradient_scale_of_the_experts_is_caught(results, reference):
         _close(r["grads"][name], reference["grads"][name], "expert gradient")
 
 
-def test_planned_expert_parallel_equals_one_process(results, reference):
+def test_planned_expert_parallel_equals_one_process(planned, reference):
     # autopar.parallelize(model, strategy="ep"): the planner's region, pricing and lowering
-    r = results["planned"]
+    r = planned["planned"]
     assert "error" not in r, r.get("error")
     assert r["shard_mismatches"] == []
     _assert_equal(r, reference)
 
 
-def test_planned_ranks_hold_only_their_experts_as_the_plan_says(results, reference):
-    r = results["planned"]
+def test_planned_ranks_hold_only_their_experts_as_the_plan_says(planned, reference):
+    r = planned["planned"]
     assert "error" not in r, r.get("error")
     axes, sizes = r["mesh"]
     ep_axis = axes.index("ep")
@@ -170,12 +180,12 @@ def _token_cuts(r: dict) -> tuple[list[int], list[tuple]]:
     return pieces, groups
 
 
-def test_planned_all_to_all_bytes_on_every_rank(results, reference, report_line):
+def test_planned_all_to_all_bytes_on_every_rank(planned, reference, report_line):
     # Top-2 routing is uneven: every rank's bytes equal the prediction from the router's counts
     # (runtime.expert_parallel.predict_bytes) for the tokens the plan gives it. With every token
     # routed to every expert (top-4 of 4) routing is even and the plan's capacity price equals
     # what every rank sends, exactly.
-    r, even = results["planned"], results["even"]
+    r, even = planned["planned"], planned["even"]
     assert "error" not in r and "error" not in even, (r.get("error"), even.get("error"))
     cfg = reference["config"]
     axes, sizes = r["mesh"]
