@@ -105,6 +105,9 @@ def _time_collective(fn: Callable[[], Any], sync: Callable[[], None], group: Any
                      quick: bool) -> float:
     """Seconds per call of collective ``fn`` on this rank: median of trials of back-to-back calls.
 
+    Three trials even when quick: the median of three drops one trial that a neighbouring process
+    slowed down (the median of two is their mean, and keeps it).
+
     Every rank must run the same number of calls, so the repeat count comes from the slowest
     rank's warm-up time (an all-reduce MAX), not from each rank's own clock.
     """
@@ -119,7 +122,7 @@ def _time_collective(fn: Callable[[], Any], sync: Callable[[], None], group: Any
     target_s = 0.04 if quick else 0.12
     reps = max(2, min(200, round(target_s / max(estimate.item(), 1e-7))))
     trials = []
-    for _ in range(2 if quick else 3):
+    for _ in range(3 if quick else 5):
         dist.barrier(group=group)
         t0 = time.perf_counter()
         for _ in range(reps):

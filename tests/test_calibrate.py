@@ -3,6 +3,7 @@ writes a profile the planner reads, and bad profiles fail with one clear line.""
 
 import json
 import math
+import statistics
 
 import pytest
 
@@ -14,8 +15,12 @@ from autopar.mesh import Link
 
 # On a shared 2-core machine gloo's collectives are neither pure rings nor quiet: measured
 # times scatter by tens of percent around the alpha-beta line (the summary prints each
-# point). The fitted formulas must still land within this factor of every measured point.
+# point), and a small message can take several times longer while another process holds the
+# core a rank needs. The fitted formulas must land within this factor of three points in four
+# and the median ratio within MEDIAN_FIT_FACTOR: a wrong bandwidth or latency (or a formula
+# that forgets the ring's (n-1)/n) moves most points, one scheduling stall moves one.
 MEASURED_FIT_FACTOR = 3.0
+MEDIAN_FIT_FACTOR = 1.6
 
 
 def _points(link: Link, n_ranks: int) -> list[CollectivePoint]:
@@ -68,10 +73,14 @@ def test_two_gloo_ranks_calibrate_a_profile_that_plans(tmp_path, capsys, report_
     assert hw.inter_node == link and math.isfinite(link.bandwidth_bytes_per_s) and link.latency_s >= 0
     # The profile's link, put through cost_model.comm's formulas, reproduces the measurements.
     assert {p.collective for p in cal.intra.points} == {"all_reduce", "all_gather"}
+    ratios = []
     for p in cal.intra.points:
         model_s = collective_s(p.collective, p.bytes_per_rank, p.n_ranks, link)
         assert model_s == pytest.approx(cal.intra.predicted_seconds(p), rel=1e-12)
-        assert 1 / MEASURED_FIT_FACTOR < model_s / p.seconds < MEASURED_FIT_FACTOR, p
+        ratios.append(model_s / p.seconds)
+    within = [1 / MEASURED_FIT_FACTOR < r < MEASURED_FIT_FACTOR for r in ratios]
+    assert sum(within) >= 0.75 * len(ratios), list(zip(cal.intra.points, ratios))
+    assert 1 / MEDIAN_FIT_FACTOR < statistics.median(ratios) < MEDIAN_FIT_FACTOR, list(zip(cal.intra.points, ratios))
     report_line(f"calibrate (2 gloo ranks, quick): {link}, fit rms error {cal.intra.rms_relative_error:.0%}, "
                 f"fp32 {hw.peak_flops_fp32 / 1e9:.1f} GFLOP/s, overlap {hw.comm_overlap:.2f}, {cal.seconds:.0f} s")
 
