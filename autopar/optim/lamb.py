@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from . import cpu_kernels
+from .cpu_kernels import extension as fused_extension
 from .hyper import OptimizerConfigError, check_range
 from .shard_norms import reduce_squared_norms
 
@@ -74,7 +74,7 @@ class LAMB(torch.optim.Optimizer):
                 work.append((group, p, state))
         if not work:
             return loss
-        kernel = cpu_kernels.extension() if self._use_kernel([p for _, p, _ in work]) else None
+        kernel = fused_extension() if self._use_kernel([p for _, p, _ in work]) else None
         rows, updates = [], []
         for group, p, state in work:
             b1, b2 = group["betas"]
@@ -106,7 +106,7 @@ class LAMB(torch.optim.Optimizer):
                    and p.grad.dtype == torch.float32 and p.grad.is_contiguous() for p in params)
         if self.fused and not fits:
             raise OptimizerConfigError("LAMB(fused=True) runs contiguous fp32 CPU tensors only; pass fused=None to fall back")
-        return fits and cpu_kernels.extension() is not None
+        return fits and fused_extension() is not None
 
 
 def _reference_update(p, grad, exp_avg, exp_avg_sq, step, b1, b2, eps, wd, bias_correction) -> torch.Tensor:
