@@ -225,18 +225,27 @@ _FORKED: tuple | None = None
 
 def _helper_work(with_baselines: bool) -> tuple[list[Bound], float, str, list[BaselineResult]]:
     gm, items, hw, train, budget, time_limit_s, progress, n_gpus = _FORKED
-    bounds, need, pin_error = mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress)
+    bounds, need, pin_error, failed = mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress)
     bounds = [Bound(b.index, b.objective, b.integral, tight=b.tight) for b in bounds]  # the problems stay here
     baselines = _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) if with_baselines else []
-    return bounds, need, pin_error, baselines
+    return bounds, need, pin_error, failed, baselines
+
+
+def _threads() -> int:
+    """This process's threads, native ones included (Linux: /proc); 0 where that cannot be read."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def _fork_is_safe() -> bool:
-    """Fork only a plain process: under torch.distributed (parallelize plans on rank 0) the
-    process runs communication threads whose locks a forked child would inherit held."""
-    import torch.distributed as dist
-
-    return hasattr(os, "fork") and not (dist.is_available() and dist.is_initialized())
+    """Fork only a single-threaded process, the one case where POSIX fork is safe: a thread of
+    the parent (torch.distributed's communication threads when parallelize plans on rank 0,
+    pytest-xdist's execnet threads) may hold a lock, e.g. the allocator's, that the child then
+    inherits held; the child then crashed in garbage collection. Elsewhere the helper's share
+    runs inline (on two cores the helper saves about a fifth of gpt2's plan: README)."""
+    return hasattr(os, "fork") and _threads() == 1
 
 
 class _Helper:
@@ -286,7 +295,7 @@ class _Helper:
             return
         if self.pool is not None:
             try:  # a child that dies raises BrokenProcessPool here, never hangs
-                self._bounds, self._need, self._pin_error, self._baselines = self.future.result()
+                self._bounds, self._need, self._pin_error, self._failed, self._baselines = self.future.result()
                 return
             except Exception:  # a failed child: do its share here instead
                 pass
@@ -294,7 +303,8 @@ class _Helper:
                 self.close()
         gm, hw, train, budget, time_limit_s, n_gpus = self.args
         items = [(i, self.meshes_and_pins[i]) for i in sorted(self.indices)]
-        self._bounds, self._need, self._pin_error = mesh_bounds(gm, items, hw, train, budget, time_limit_s, QUIET)
+        self._bounds, self._need, self._pin_error, self._failed = mesh_bounds(gm, items, hw, train, budget,
+                                                                              time_limit_s, QUIET)
         self._baselines = (_price_baselines(gm, n_gpus, hw, train, budget, time_limit_s)
                            if self.with_baselines else [])
 
@@ -306,9 +316,9 @@ class _Helper:
                 proc.terminate()  # a search that failed here need not wait for the child
             self.pool = None
 
-    def bounds(self) -> tuple[list[Bound], float, str]:
+    def bounds(self) -> tuple[list[Bound], float, str, tuple[str, ...]]:
         self._collect()
-        return list(self._bounds), self._need, self._pin_error
+        return list(self._bounds), self._need, self._pin_error, self._failed
 
     def baselines(self) -> list[BaselineResult]:
         self._collect()
