@@ -207,15 +207,22 @@ def rounded_lp(mesh, problem, lp: SolveResult, budget) -> "Solved | None":
     return Solved(mesh, problem, result, pred)
 
 
-def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress, helper):
+def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress, helper, skip_first: bool = False):
     """The mesh search without ZeRO-2 options (nor recompute, under ``recompute="auto"``), then,
     where memory is tight (no plan fits, or the best one uses over 90% of the budget), again
-    with them; the faster plan wins, so they never make a plan slower."""
+    with them; the faster plan wins, so they never make a plan slower. The second pass's options
+    include the first's, so the first only saves time: ``skip_first`` (the planner's guess that
+    nothing fits without them) goes to the second at once, and a wrong guess costs time, never
+    a plan."""
     def run(zero2: bool, helper, meshes):
         spec = train if zero2 or train.recompute != "auto" else dataclasses.replace(train, recompute="none")
         return search_meshes(gm, meshes, hw, spec, budget, time_limit_s, progress, helper=helper, zero2=zero2)
 
     error = None
+    if skip_first:
+        progress("memory is tight on every mesh (the forward's outputs over the devices exceed the budget): "
+                 "searching with ZeRO-2 and recompute options at once")
+        return run(True, None, candidates)
     try:
         best, n_solved, note = run(False, helper, candidates)
     except PinError:
