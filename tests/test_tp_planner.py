@@ -135,11 +135,12 @@ def test_planner_picks_a_2d_layout_on_its_own_where_it_is_best_and_1d_where_1d_i
     assert layout_kind(wide).split("+")[0] in ("2D", "2.5D", "3D"), layout_kind(wide)
     one_d = [b for b in wide.baselines if b.name in ("megatron", "megatron-sp", "megatron-dp") and b.feasible]
     assert one_d and all(wide.step_seconds <= b.step_seconds for b in one_d)
-    # GPT-2 on 8: weights are small, one node's NVLink is fast; 1D x data parallel wins and
-    # the 2D family pinned is predicted slower.
+    # GPT-2 on 8: weights are small, one node's NVLink is fast; a 1D or data-parallel layout
+    # wins (since ZeRO-2 gathers per unit, data parallel with ZeRO-2: 11.1 ms vs megatron-dp's
+    # 11.7 ms) and the 2D family pinned is predicted slower.
     model, inputs = get_model("gpt2", device="meta")
     small = autopar.plan(model, 8, inputs, hardware="a100-80gb", pipeline=False)
-    assert layout_kind(small).split("+")[0] == "1D", layout_kind(small)
+    assert layout_kind(small).split("+")[0] in ("1D", "DP"), layout_kind(small)
     two_d = autopar.plan(model, 8, inputs, hardware="a100-80gb", strategy="2d", baselines=False, pipeline=False)
     assert two_d.step_seconds > small.step_seconds
 
