@@ -78,25 +78,34 @@ def _match(gate_up_mm: fx.Node, down_mm: fx.Node) -> RegionMatch | None:
     if w_gate_up is None or w_down is None or gather.target is not aten.index.Tensor:
         return None
     hidden = gather.args[0]
-    sort = next((n for n in _ancestors(gate_up_mm.args[2], set()) if n.target is aten.sort.default), None)
-    if sort is None:
+    # the block's own sort is the last one the offsets depend on (an earlier block's sort is an
+    # ancestor too, through the hidden states); picked by graph order, never by a set's order
+    order = {n: i for i, n in enumerate(gate_up_mm.graph.nodes)}
+    sorts = [n for n in _ancestors(gate_up_mm.args[2], set()) if n.target is aten.sort.default]
+    if not sorts:
         return None
+    sort = max(sorts, key=order.__getitem__)
     index = _through_views(sort.args[0])
     if not (index.target is operator.getitem and index.args[0].target is aten.topk.default):
         return None
     out = _combine(down_mm, hidden)
     if out is None:
         return None
+    # the routing weights: a float 1-D gather, by the sorted order, of a value shaped like the
+    # top-k index; candidates are taken in graph order (a set's order would make the match, and so
+    # the graph's fingerprint, differ from one process to the next)
     weights = None
-    for n in _ancestors(out, {hidden, index, w_gate_up, w_down}):
+    for n in sorted(_ancestors(out, {hidden, index, w_gate_up, w_down}), key=order.__getitem__):
         if n.target is aten.index.Tensor and n.args[0] is not hidden and n.meta["val"].dim() == 1 \
                 and n.meta["val"].is_floating_point():
-            weights = _through_views(n.args[0])
-    if weights is None or tuple(weights.meta["val"].shape) != tuple(index.meta["val"].shape):
+            source = _through_views(n.args[0])
+            if tuple(source.meta["val"].shape) == tuple(index.meta["val"].shape):
+                weights = source
+                break
+    if weights is None:
         return None
     stops = {hidden, index, weights, w_gate_up, w_down}
     inside = _ancestors(out, stops) | {out}
-    order = {n: i for i, n in enumerate(out.graph.nodes)}
     if any(n.op in ("placeholder", "get_attr") or order[n] < order[weights] for n in inside):
         return None
     acts = [n for n in inside if n.target in _ACT_OPS]
