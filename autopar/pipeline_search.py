@@ -55,6 +55,7 @@ from autopar.passes.split_stages import block_container, block_count, split_stag
 from autopar.trace import graph_fingerprint
 
 from .errors import AutoparError
+from .forking import share_work
 from .pipeline_info import PipelineInfo, PipelineStageInfo
 from .pipeline_stages import plan_stages
 from .plan import Plan, SolverStats
@@ -214,15 +215,20 @@ def _balance(sub: _SubMesh, p: int, m: int, schedule: str, n_blocks: int, budget
              ) -> tuple[int, ...] | None:
     """Blocks per stage minimizing the slowest stage's micro-batch time, every stage within
     ``budget`` (see module doc); None if no split fits."""
+    # stage k holding n blocks (parts[k][n - 1]) and its micro-batch time, tabulated once: the
+    # bisection below reads them at every step (recomputing the parts there took 2 s of gpt2-xl
+    # on 64 devices' plan)
+    parts = [[_stage_part(sub, n, k == 0, k == p - 1, rc) for n in range(1, n_blocks - p + 2)] for k in range(p)]
+    times = [[part.batch_seconds / m + part.use_seconds for part in row] for row in parts]
+
     def stage_time(n: int, k: int) -> float:
-        return _stage_part(sub, n, k == 0, k == p - 1, rc).batch_seconds / m + \
-            _stage_part(sub, n, k == 0, k == p - 1, rc).use_seconds
+        return times[k][n - 1]
 
     def mem_cap(k: int) -> int:
         flight = activations_in_flight(schedule, p, m, k)
         lo = 0
         for n in range(1, n_blocks - p + 2):
-            part = _stage_part(sub, n, k == 0, k == p - 1, rc)
+            part = parts[k][n - 1]
             transient = sub.transient_bytes / m if rc else 0.0
             if part.param_bytes + flight * part.act_bytes / m + transient > budget:
                 break
@@ -326,12 +332,16 @@ def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: Traini
     except AutoparError:  # a model the stage cut cannot run: no pipeline
         return None
     pps = [pp] if pp else [d for d in range(2, n_blocks + 1) if n_gpus % d == 0 and n_gpus // d >= 1]
+    todo = [(p, mesh) for p in pps for mesh in ([stage_mesh] if stage_mesh is not None else
+                                                 _sub_meshes(n_gpus // p, hw))]
+    # the sub-meshes are priced independently: a forked child prices part of them (autopar.forking);
+    # 2-axis sub-meshes cost about twice a 1-axis one (more strategies per op)
+    priced = share_work(todo, lambda pm: _price_submesh(pieces, pm[1], n_blocks, hw, train, time_limit_s, batch,
+                                                        plan_fn), weight=lambda pm: float(pm[1].ndim))
     best: PipelineChoice | None = None
     bound = float("inf")
     for p in pps:
-        subs = [stage_mesh] if stage_mesh is not None else _sub_meshes(n_gpus // p, hw)
-        for mesh in subs:
-            sub = _price_submesh(pieces, mesh, n_blocks, hw, train, time_limit_s, batch, plan_fn)
+        for (_, mesh), sub in ((pm, sub) for pm, sub in zip(todo, priced) if pm[0] == p):
             if sub is None:
                 continue
             bound = min(bound, _work_bound(sub, p, n_blocks))

@@ -28,6 +28,7 @@ from torch import nn
 from .cost_model.costs import TrainingSpec
 from .cost_model.hardware import Hardware, get_hardware
 from .cost_model.recompute import chosen_recompute
+from . import forking
 from .errors import AutoparError, BadArgumentError
 from .plan_arguments import check_plan_arguments
 from .mesh import MeshSpec
@@ -250,23 +251,6 @@ def _helper_work(with_baselines: bool) -> tuple[list[Bound], float, str, list[Ba
     return bounds, need, pin_error, failed, baselines
 
 
-def _threads() -> int:
-    """This process's threads, native ones included (Linux: /proc); 0 where that cannot be read."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return 0
-
-
-def _fork_is_safe() -> bool:
-    """Fork only a single-threaded process, the one case where POSIX fork is safe: a thread of
-    the parent (torch.distributed's communication threads when parallelize plans on rank 0,
-    pytest-xdist's execnet threads) may hold a lock, e.g. the allocator's, that the child then
-    inherits held; the child then crashed in garbage collection. Elsewhere the helper's share
-    runs inline (on two cores the helper saves about a fifth of gpt2's plan: README)."""
-    return hasattr(os, "fork") and _threads() == 1
-
-
 class _Helper:
     """A forked process that shares the search on this 2-core machine: it bounds part of the
     candidate meshes and prices the baselines while this process bounds the rest. It inherits
@@ -282,7 +266,7 @@ class _Helper:
         self.pool = self.future = None
         self._bounds = self._baselines = None
         items = [(i, meshes_and_pins[i]) for i in sorted(self.indices)]
-        if _fork_is_safe():
+        if forking.fork_is_safe():  # single-threaded only (autopar.forking)
             try:
                 import concurrent.futures as cf
                 import multiprocessing as mp

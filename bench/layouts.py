@@ -49,7 +49,7 @@ import time
 import torch._dynamo  # noqa: F401  (loaded by every trace; kept out of the per-plan times)
 import torch.export  # noqa: F401
 
-import autopar.planner as planner_mod
+import autopar.forking
 from autopar import trace
 from autopar.cost_model.hardware import get_hardware
 from autopar.errors import AutoparError
@@ -208,7 +208,7 @@ def main() -> None:
     devices = tuple(args.devices or (QUICK_DEVICES if args.quick else DEVICES))
     budget = args.memory_budget_gib * GIB if args.memory_budget_gib else None
     if args.serial:  # the planner forks a helper to bound meshes on the second core; keep to one
-        planner_mod._fork_is_safe = lambda: False
+        autopar.forking.fork_is_safe = lambda: False
     bad = [n for n in devices if args.batch % n]
     if bad:
         print(f"warning: batch {args.batch} does not divide {bad} devices; some meshes will be skipped",

@@ -1,0 +1,52 @@
+"""autopar.forking.share_work: the planner's independent pricings shared with a forked child.
+
+Run in a fresh single-threaded interpreter (pytest-xdist workers hold threads, where the planner
+never forks), loading the module by path: it imports nothing else, so the check costs no torch
+import.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+MODULE = pathlib.Path(__file__).resolve().parents[1] / "autopar" / "forking.py"
+
+CODE = textwrap.dedent("""
+    import importlib.util, json, os, sys
+    spec = importlib.util.spec_from_file_location("forking", sys.argv[1])
+    forking = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(forking)
+    parent = os.getpid()
+    items = list(range(7))
+
+    def work(x):
+        return (x * x, os.getpid() != parent)
+
+    def fails_in_child(x):
+        if os.getpid() != parent:
+            raise RuntimeError("child failure")
+        return (x * x, False)
+
+    print(json.dumps(dict(
+        safe=forking.fork_is_safe(),
+        shared=forking.share_work(items, work, weight=lambda x: 1.0 + x),
+        inline=forking.share_work(items, work, fork=False),
+        recovered=forking.share_work(items, fails_in_child),
+    )))
+""")
+
+
+def test_share_work_splits_keeps_order_and_recovers_from_a_failed_child():
+    out = subprocess.run([sys.executable, "-c", CODE, str(MODULE)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    squares = [x * x for x in range(7)]
+    assert got["safe"], "a fresh single-threaded interpreter on a multi-core machine may fork"
+    # the same answers in the same order, part of them computed by the child
+    assert [v for v, _ in got["shared"]] == squares
+    assert any(child for _, child in got["shared"]) and not all(child for _, child in got["shared"])
+    assert got["inline"] == [[v, False] for v in squares]
+    # a child that fails leaves its share to this process: still every answer, in order
+    assert got["recovered"] == [[v, False] for v in squares]
