@@ -18,11 +18,19 @@ and torchtitan run them). Simplifications: the layouts inside a stage are those 
 fastest for the whole batch with no memory limit (memory is then checked per stage under the
 budget); kernel-time floors are scaled with the batch.
 
-The chosen pipeline's stages are then planned for one micro-batch each (``pipeline_stages``):
-the Plan carries those stage plans, their bytes and the weights tied across stages, and the
-runtime runs exactly them. The planner is handed in as ``plan_fn`` (this module never imports
-``autopar.planner``, which imports it). A weight tied across stages is priced here as one
-all-reduce of its whole gradient between the first and last stage per step.
+Search cost: the (stage count, sub-mesh) candidates are priced independently, part of them by
+a forked child (``autopar.forking.share_work``). Recomputed blocks are priced (one more problem
+build per sub-mesh) only where they may win: under ``recompute="auto"`` a sub-mesh is skipped
+when a lower bound on its recomputed pipelines (``_recompute_bound``: the same pipelines
+without recompute and without a memory limit, bubble included) is no better than the best
+pipeline without recompute, so the choice is the one pricing every sub-mesh would make.
+
+The chosen pipeline's stages are then planned for one micro-batch each (``pipeline_stages``),
+and made into a Plan by ``autopar.pipeline_plan``: the Plan carries those stage plans, their
+bytes and the weights tied across stages, and the runtime runs exactly them. The planner is
+handed in as ``plan_fn`` (this module never imports ``autopar.planner``, which imports it). A
+weight tied across stages is priced here as one all-reduce of its whole gradient between the
+first and last stage per step.
 
 The runtime (``runtime.pipeline``) matches this for parameters with a single use that are
 stored whole on the synced axis (nearly all weights under DP and Megatron layouts); a parameter
@@ -34,7 +42,6 @@ their layouts rarely shard parameters).
 from __future__ import annotations
 
 import dataclasses
-import time
 
 from dataclasses import dataclass
 from typing import Callable
@@ -51,16 +58,15 @@ from autopar.cost_model.costs import TrainingSpec
 from autopar.cost_model.evaluate import shared_reshards
 from autopar.cost_model.fsdp_pricing import fsdp_fusions
 from autopar.mesh import Link, MeshSpec
-from autopar.passes.split_stages import block_container, block_count, split_stages
-from autopar.trace import graph_fingerprint
+from autopar.passes.annotate import annotate
+from autopar.passes.split_stages import block_container, split_stages
 
 from .errors import AutoparError
 from .forking import share_work
 from .pipeline_info import PipelineInfo, PipelineStageInfo
-from .pipeline_stages import plan_stages
-from .plan import Plan, SolverStats
+from .plan import Plan
 
-__all__ = ["PipelineChoice", "search_pipeline", "pipeline_plan"]
+__all__ = ["PipelineChoice", "search_pipeline", "global_batch"]
 
 
 @dataclass(frozen=True)
@@ -86,8 +92,10 @@ class _Part:
         return (self.batch_seconds, self.use_seconds, self.step_seconds, self.param_bytes, self.act_bytes)
 
 
-def _split_costs(problem, choice: dict) -> _Part:
-    """A solved problem's predicted costs split as _Part says (the same terms evaluate() adds up)."""
+def _split_costs(problem, choice: dict, regathers: bool = True) -> _Part:
+    """A solved problem's predicted costs split as _Part says (the same terms evaluate() adds up);
+    ``regathers=False``: less the backward re-gathers of ZeRO-3 weights (a recomputed block runs
+    none: its recompute gathers again, priced with its forward)."""
     mesh = problem.mesh
     batch = use = step = params = acts = 0.0
     for key, d in problem.decisions.items():
@@ -107,8 +115,9 @@ def _split_costs(problem, choice: dict) -> _Part:
             use += seconds
         else:
             batch += seconds
-    fused, regathers = fsdp_fusions(problem, choice, recomputed_keys(problem, choice))  # ZeRO-3, per micro-batch
-    for st, count in regathers:
+    fused, again = fsdp_fusions(problem, choice, recomputed_keys(problem, choice) if regathers
+                                else frozenset(problem.decisions))  # ZeRO-3, per micro-batch
+    for st, count in again:
         use += collective_s(st.collective, st.nbytes, mesh.sizes[st.axis], mesh.links[st.axis]) * count
     for g in problem.syncs:
         if g.param and g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
@@ -153,6 +162,8 @@ class _SubMesh:
     block_rc: _Part | None = None  # one block recomputed: keeps its input only (cost_model/recompute.py)
     transient_bytes: float = 0.0  # one recomputed block's activations, alive during its backward
     tied_bytes: float = 0.0  # gradients of weights tied between the first and last piece
+    middle_choice: dict | None = None  # the middle piece's solved choice (what _with_recompute prices)
+    block_floor: _Part | None = None  # one block less its ZeRO-3 re-gathers: recompute costs no less
 
 
 def _price_submesh(pieces, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: TrainingSpec,
@@ -167,15 +178,72 @@ def _price_submesh(pieces, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: T
     block = middle.scale(1.0 / (n_blocks - 2))
     send, grad = _boundary_bytes(pieces[0], train)
     nodes = tuple(n for p in plans for n in p.nodes)
-    block_rc, transient = None, 0.0
-    if train.recompute != "none":  # the same layouts with every middle block recomputed
-        rc_problem = build_problem(pieces[1], mesh, hw, dataclasses.replace(train, recompute="full"))
-        rc_choice = {**plans[1].choice, **{t.key: 1 for t in rc_problem.recompute}}
-        transient = recompute_transient_bytes(rc_problem, rc_choice)
-        rc_part = _split_costs(rc_problem, rc_choice)
-        block_rc = (rc_part - _Part(act_bytes=transient)).scale(1.0 / (n_blocks - 2))
     tied = sum(_weight_bytes(pieces[0], target) for target, stages in pieces.tied.items() if 2 in stages)
-    return _SubMesh(mesh, first - block, block, last - block, send, grad, batch, nodes, block_rc, transient, tied)
+    floor = _split_costs(plans[1].problem, plans[1].choice, regathers=False).scale(1.0 / (n_blocks - 2))
+    return _SubMesh(mesh, first - block, block, last - block, send, grad, batch, nodes, None, 0.0, tied,
+                    dict(plans[1].choice), floor)
+
+
+def _with_recompute(sub: _SubMesh, pieces, n_blocks: int, hw: Hardware, train: TrainingSpec) -> _SubMesh:
+    """``sub`` with its middle blocks' layouts priced again, every block recomputed."""
+    annotate(pieces[1], sub.mesh)  # the choice's option indices are this mesh's strategies
+    rc_problem = build_problem(pieces[1], sub.mesh, hw, dataclasses.replace(train, recompute="full"))
+    rc_choice = {**sub.middle_choice, **{t.key: 1 for t in rc_problem.recompute}}
+    transient = recompute_transient_bytes(rc_problem, rc_choice)
+    block_rc = (_split_costs(rc_problem, rc_choice) - _Part(act_bytes=transient)).scale(1.0 / (n_blocks - 2))
+    return dataclasses.replace(sub, block_rc=block_rc, transient_bytes=transient)
+
+
+def _least_slowest(cost: list[list[float]], p: int, n_blocks: int) -> float:
+    """min over splits of ``n_blocks`` into p contiguous stages (each >= 1 block) of the slowest
+    stage, stage k with n blocks costing ``cost[k][n - 1]`` (non-decreasing in n): bisection on
+    the answer, greedy fill per candidate (as ``_balance``, with no memory limit)."""
+    def fits(t_max: float) -> bool:
+        left = n_blocks
+        for k in range(p):
+            take = min(max((n for n in range(1, len(cost[k]) + 1) if cost[k][n - 1] <= t_max), default=0),
+                       left - (p - k - 1))
+            if take < 1:
+                return False
+            left -= take
+        return left == 0
+
+    values = sorted({c for row in cost for c in row})
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(values[mid]) else (mid + 1, hi)
+    return values[lo]
+
+
+def _recompute_bound(sub: _SubMesh, p: int, n_blocks: int, hw: Hardware, prefix: str) -> float:
+    """No pipeline of p stages on ``sub`` with its blocks recomputed steps faster: recompute only
+    adds time, so each is at least the same pipeline without recompute and without a memory
+    limit, and ``pipeline_cost`` grows with every device's time. Per micro-batch count m: the
+    devices' times (sends included) sum to the same for any split; 1F1B and GPipe step
+    max(m * mean, ((m - 1) t_max + sum) / idle_speedup), with t_max at least the least slowest
+    device over all splits (``_least_slowest``), and the syncs after the drain at least their
+    mean over devices; interleaved (even split) is priced as it is (``_compose``). A recomputed
+    block skips the backward re-gathers of ZeRO-3 weights (its recompute gathers them again, as
+    forward work), so the blocks are taken less those (``block_floor``)."""
+    sub = dataclasses.replace(sub, block=sub.block_floor)
+    whole = sub.embed + sub.block.scale(n_blocks) + sub.head
+    link = hw.mesh_spec(("pp", *sub.mesh.axes), (p, *sub.mesh.sizes)).links[0]
+    after = whole.step_seconds / p + tied_sync_cost(sub.tied_bytes, 2 if p > 1 else 1, link)[1]
+    best = float("inf")
+    for m in _microbatch_counts(sub.batch, p, sub.mesh):
+        sends = [(p2p_s(sub.send_bytes / m, link) if k < p - 1 else 0.0) + (p2p_s(sub.grad_bytes / m, link) if k
+                                                                              else 0.0) for k in range(p)]
+        cost = [[part.batch_seconds / m + part.use_seconds + sends[k] for part in
+                 (_stage_part(sub, n, k == 0, k == p - 1) for n in range(1, n_blocks - p + 2))] for k in range(p)]
+        total = whole.batch_seconds / m + whole.use_seconds + sum(sends)
+        step = (m - 1) * _least_slowest(cost, p, n_blocks) + total
+        best = min(best, max(m * total / p, step / hw.idle_speedup(p * sub.mesh.n_devices)) + after)
+        if n_blocks % (2 * p) == 0 and m % p == 0:
+            got = _compose(sub, (n_blocks // (2 * p),) * (2 * p), p, m, 2, "interleaved-1f1b", hw, prefix,
+                           float("inf"))
+            best = min(best, got.step_seconds)
+    return best
 
 
 def _weight_bytes(gm: fx.GraphModule, target: str) -> float:
@@ -326,7 +394,7 @@ def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: Traini
     n_blocks = len(indices)
     if n_blocks < 3:
         return None
-    batch = _global_batch(gm)
+    batch = global_batch(gm)
     try:
         pieces = split_stages(gm, (1, n_blocks - 2, 1))
     except AutoparError:  # a model the stage cut cannot run: no pipeline
@@ -334,18 +402,36 @@ def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: Traini
     pps = [pp] if pp else [d for d in range(2, n_blocks + 1) if n_gpus % d == 0 and n_gpus // d >= 1]
     todo = [(p, mesh) for p in pps for mesh in ([stage_mesh] if stage_mesh is not None else
                                                  _sub_meshes(n_gpus // p, hw))]
+    kw = dict(n_blocks=n_blocks, batch=batch, budget=budget, hw=hw, prefix=prefix, progress=progress)
     # the sub-meshes are priced independently: a forked child prices part of them (autopar.forking);
     # 2-axis sub-meshes cost about twice a 1-axis one (more strategies per op)
     priced = share_work(todo, lambda pm: _price_submesh(pieces, pm[1], n_blocks, hw, train, time_limit_s, batch,
                                                         plan_fn), weight=lambda pm: float(pm[1].ndim))
-    best: PipelineChoice | None = None
-    bound = float("inf")
-    for p in pps:
+    best = _best_of(todo, priced, (False,) if train.recompute in ("none", "auto") else (), None, **kw)
+    if train.recompute != "none":
+        # recomputed blocks, priced where they may win: under "auto", a sub-mesh whose bound
+        # (_recompute_bound) is no better than the best pipeline without recompute is skipped
+        keep = [k for k, (pm, sub) in enumerate(zip(todo, priced)) if sub is not None and (
+            train.recompute == "full" or best is None or _recompute_bound(sub, pm[0], n_blocks, hw, prefix) < best.step_seconds)]
+        if progress:
+            progress(f"pipeline recompute: {len(keep)} of {sum(x is not None for x in priced)} sub-meshes may win")
+        again = share_work([priced[k] for k in keep], lambda sub: _with_recompute(sub, pieces, n_blocks, hw, train))
+        priced = [dict(zip(keep, again)).get(k, sub) for k, sub in enumerate(priced)]
+        best = _best_of([todo[k] for k in keep], [priced[k] for k in keep], (True,), best, **kw)
+    bound = min((_work_bound(sub, pm[0], n_blocks) for pm, sub in zip(todo, priced) if sub is not None),
+                default=float("inf"))
+    # unclipped by best.step_seconds: a valid bound is below it anyway (tests check that)
+    return None if best is None else dataclasses.replace(best, lower_bound_s=bound)
+
+
+def _best_of(todo, priced, rcs: tuple[bool, ...], best: PipelineChoice | None, *, n_blocks: int, batch: int,
+             budget: float, hw: Hardware, prefix: str, progress) -> PipelineChoice | None:
+    """The fastest pipeline (or ``best``) over the priced sub-meshes, micro-batch counts, the
+    recompute options ``rcs`` and the schedules."""
+    for p in dict.fromkeys(pm[0] for pm in todo):
         for (_, mesh), sub in ((pm, sub) for pm, sub in zip(todo, priced) if pm[0] == p):
-            if sub is None:
+            if sub is None or not rcs:
                 continue
-            bound = min(bound, _work_bound(sub, p, n_blocks))
-            rcs = {"none": (False,), "full": (True,), "auto": (False, True)}[train.recompute]
             for m, rc in ((m, rc) for m in _microbatch_counts(batch, p, mesh) for rc in rcs):
                 for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)):
                     if v > 1 and (n_blocks % (p * v) or m % p):
@@ -359,14 +445,13 @@ def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: Traini
                     got = _compose(sub, counts, p, m, v, schedule, hw, prefix, budget, rc)
                     if got is not None and (best is None or got.step_seconds < best.step_seconds):
                         best = got
-        if progress:
-            progress(f"pipeline pp={p}: best so far {best.step_seconds * 1e3:,.1f} ms" if best else
-                     f"pipeline pp={p}: nothing fits yet")
-    # unclipped by best.step_seconds: a valid bound is below it anyway (tests check that)
-    return None if best is None else dataclasses.replace(best, lower_bound_s=bound)
+        if progress and rcs:
+            progress(f"pipeline pp={p}{' (recompute)' if rcs == (True,) else ''}: best so far "
+                     f"{best.step_seconds * 1e3:,.1f} ms" if best else f"pipeline pp={p}: nothing fits yet")
+    return best
 
 
-def _global_batch(gm: fx.GraphModule) -> int:
+def global_batch(gm: fx.GraphModule) -> int:
     sizes = [n.meta["val"].shape[0] for n in gm.graph.nodes if n.op == "placeholder"
              and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0]
     return int(sizes[0]) if sizes else 1
@@ -384,105 +469,3 @@ def _microbatch_counts(batch: int, p: int, mesh: MeshSpec) -> list[int]:
     if not out and batch % data == 0:
         out = [d for d in range(1, batch + 1) if batch % d == 0 and (batch // d) % data == 0][-1:]
     return out
-
-
-def pipeline_plan(choice: PipelineChoice, gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: TrainingSpec,
-                  budget: float, strategy: str, model_name: str, plan_fn: Callable[..., Plan],
-                  micro_graph: Callable[[int], fx.GraphModule] | None, baselines: tuple = (), seconds: float = 0.0,
-                  note: str = "") -> Plan:
-    """A Plan whose mesh is pp x the stage mesh, with the pipeline's predictions, stages and
-    stage plans (``pipeline_stages``; planned on ``micro_graph(m)``, the model traced for one
-    micro-batch: without it, as when ``plan`` is given a traced graph, the plan has no stage
-    plans and cannot run). Its nodes carry the layouts of the three priced pieces (whole batch).
-    ``comm_seconds``/``comm_bytes`` are those of the device that sends the most: its chunks'
-    collectives, the sends between stages and the tied-weight all-reduces. Raises
-    AutoparError when the stages cannot be built (callers skip the candidate)."""
-    sub, info = choice.sub, choice.info
-    p, m = info.n_stages, info.n_microbatches
-    mesh = MeshSpec(("pp", *sub.mesh.axes), (p, *sub.mesh.sizes), (choice.pp_link, *sub.mesh.links))
-    stage_plans: tuple = ()
-    comm_s, comm_bytes = 0.0, {}
-    if micro_graph is not None:
-        options = dict(hardware=hw, optimizer=train.optimizer, mixed_precision=train.mixed_precision,
-                       memory_budget_bytes=budget, recompute="full" if info.recompute else "none")
-        stage_plans = plan_stages(micro_graph(m), info.stage_blocks, sub.mesh, p, choice.pp_link, plan_fn, options,
-                                  model_name)
-        info = dataclasses.replace(info, tied=stage_plans.tied, chunks=stage_plans.chunks)
-        for k in range(p):
-            chunks = stage_plans.chunks[k::p]
-            s = sum(m * (c.comm_seconds + p2p_s(c.send_bytes, choice.pp_link) + p2p_s(c.send_grad_bytes,
-                                                                                      choice.pp_link))
-                    for c in chunks) + sum(t.seconds for t in info.tied if k in t.positions)
-            sent = info.predicted_bytes(k)
-            if sum(sent.values()) >= sum(comm_bytes.values()):
-                comm_s, comm_bytes = max(comm_s, s), sent
-    else:
-        note = (note + "; " if note else "") + "no stage plans (plan() was given a traced graph: plan the model)"
-    stats = SolverStats("pipeline search + HiGHS per stage", "Optimal", seconds, choice.step_seconds, choice.lower_bound_s,
-                        sum(s.solver.n_variables for s in stage_plans), sum(s.solver.n_constraints for s in stage_plans),
-                        sum(s.solver.ilps_solved for s in stage_plans), seconds, note)
-    busy = choice.step_seconds - info.bubble_seconds
-    return Plan(model=model_name, n_devices=n_gpus, mesh=mesh, hardware=hw.name, strategy=strategy,
-                optimizer=train.optimizer, mixed_precision=train.mixed_precision, memory_budget_bytes=budget,
-                step_seconds=choice.step_seconds, compute_seconds=max(busy - comm_s, 0.0), comm_seconds=comm_s,
-                param_state_bytes=choice.param_bytes, activation_bytes=choice.activation_bytes,
-                comm_bytes=comm_bytes, solver=stats, baselines=tuple(baselines), nodes=sub.nodes,
-                graph_fingerprint=graph_fingerprint(gm), pipeline=info,
-                recompute=(info.block_prefix,) if info.recompute else (), stage_plans=tuple(stage_plans))
-
-
-def pinned_pipeline_plan(gm: fx.GraphModule, n_gpus: int, mesh: str | MeshSpec | None, hw: Hardware,
-                         train: TrainingSpec, budget: float, model_name: str, t0: float, plan_fn: Callable[..., Plan],
-                         micro_graph: Callable[[int], fx.GraphModule] | None, progress=None) -> Plan:
-    """``strategy="pp"`` or a mesh with a ``pp`` axis: the best pipeline under that pin."""
-    pp = stage_mesh = None
-    if mesh is not None:
-        spec = MeshSpec.parse(mesh, n_gpus) if isinstance(mesh, str) else mesh
-        spec.check_devices(n_gpus)
-        if "pp" in spec.axes:
-            k = spec.axes.index("pp")
-            if k != 0:
-                raise AutoparError(f"mesh {spec}: the pp axis must come first (outermost), e.g. pp=4,dp=2,tp=8")
-            pp = spec.sizes[0]
-            rest = spec.axes[1:]
-            if rest:
-                stage_mesh = hw.mesh_spec(rest, spec.sizes[1:])
-    choice = search_pipeline(gm, n_gpus, hw, train, budget, plan_fn=plan_fn, pp=pp, stage_mesh=stage_mesh,
-                             progress=progress)
-    if choice is None:
-        blocks = block_count(gm)
-        raise AutoparError(f"no pipeline fits {n_gpus} devices with budget {budget / 2**30:.1f} GiB per device "
-                           f"(the model has {blocks} repeated blocks; a pipeline needs at least 3 and pp <= blocks"
-                           + (f"; pinned pp={pp}" if pp else "") + "); raise the memory budget, change the pin, "
-                           "or use strategy='auto'")
-    return pipeline_plan(choice, gm, n_gpus, hw, train, budget, "pp", model_name, plan_fn, micro_graph,
-                         seconds=time.perf_counter() - t0, note="pipeline pinned by strategy='pp' or a pp= mesh axis")
-
-
-def pipeline_if_faster(gm: fx.GraphModule, best: Plan | None, n_gpus: int, hw: Hardware, train: TrainingSpec,
-                       budget: float, model_name: str, t0: float, plan_fn: Callable[..., Plan],
-                       micro_graph: Callable[[int], fx.GraphModule] | None, baselines: tuple = (),
-                       progress=None) -> Plan | None:
-    """``strategy="auto"``: the pipeline plan if one is predicted faster than ``best`` (or
-    ``best`` is None: nothing fits without stages), else ``best``. A pipeline whose stages
-    cannot be built is skipped (``best`` is returned), never an error of the whole plan."""
-    if best is not None and _global_batch(gm) < 4:
-        # fewer than 2 micro-batches per stage of even a 2-stage pipeline: half the devices
-        # would idle, so with a plan that fits the search is skipped (it costs seconds at scale)
-        return best
-    choice = search_pipeline(gm, n_gpus, hw, train, budget, plan_fn=plan_fn, progress=progress)
-    if choice is None or (best is not None and choice.step_seconds >= best.step_seconds):
-        return best
-    if best is not None:  # the bound covers the plans without stages too
-        other = best.solver.lower_bound  # NaN: the plan without stages has no bound, so neither has the union
-        choice = dataclasses.replace(choice, lower_bound_s=min(choice.lower_bound_s, other) if other == other
-                                     else float("nan"))
-    note = ("pipeline stages win: " + (f"{choice.step_seconds * 1e3:,.1f} ms vs {best.step_seconds * 1e3:,.1f} ms "
-                                       f"without" if best is not None else "nothing fits without them"))
-    try:
-        return pipeline_plan(choice, gm, n_gpus, hw, train, budget, "auto", model_name, plan_fn, micro_graph,
-                             baselines, seconds=time.perf_counter() - t0, note=note)
-    except AutoparError as exc:  # the stages cannot be built: skip the candidate
-        if progress:
-            progress(f"pipeline skipped: {exc}")
-        return best

@@ -35,7 +35,7 @@ from .mesh import MeshSpec
 from .mesh_search import QUIET, Bound, Progress, Solved, mesh_bounds, plan_bound, search_quiet, search_with_zero2
 from .passes.annotate import annotate
 from .pipeline_info import microbatch_inputs
-from .pipeline_search import pinned_pipeline_plan, pipeline_if_faster
+from .pipeline_plan import pinned_pipeline_plan, pipeline_if_faster
 from .plan import BaselineResult, NodePlan, Plan, SolverStats
 from .technique import families as registered_families, family as registered_family
 from .techniques import catalog  # noqa: F401 (imports every technique file, so each registers)

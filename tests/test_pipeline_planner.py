@@ -102,3 +102,43 @@ def test_gpt3_on_1024_gpus_pipelines(report_line):
     report_line(f"gpt3-175b batch 1536 on 1024 a100-80gb: {p.mesh}, {p.pipeline.schedule}, "
                 f"{p.pipeline.n_microbatches} micro-batches, bubble {p.pipeline.bubble_fraction:.1%}, "
                 f"step {p.step_seconds:.2f} s, planned in {seconds:.1f} s")
+
+
+def test_recompute_is_priced_only_where_it_may_win(monkeypatch):
+    # The pipeline search prices recomputed blocks (one more problem build per sub-mesh) only
+    # where _recompute_bound says they may beat the best pipeline without recompute. The bound
+    # must hold for every recomputed candidate, so skipping changes no choice: checked against
+    # the search that prices recompute everywhere.
+    import autopar.pipeline_search as ps
+    from autopar.cost_model.costs import TrainingSpec
+
+    monkeypatch.setattr("autopar.forking.fork_is_safe", lambda: False)  # every candidate seen here
+    model, inputs = gpt("gpt-tiny", batch_size=16, seq_len=64, n_layer=6, n_embd=128, n_head=4)
+    gm = autopar.trace(model, inputs)
+    hw = get_hardware("a100-80gb")
+    train = TrainingSpec("adamw", True, "auto", False)
+    args = (gm, 8, hw, train, hw.memory_bytes)
+    pruned = ps.search_pipeline(*args, plan_fn=autopar.plan)
+    bounds, seen, compose = {}, {}, ps._compose
+
+    def record(sub, counts, p, m, v, schedule, hw_, prefix, budget, rc=False):
+        got = compose(sub, counts, p, m, v, schedule, hw_, prefix, budget, rc)
+        if got is not None and rc and budget < float("inf"):
+            seen[(p, str(sub.mesh))] = min(seen.get((p, str(sub.mesh)), float("inf")), got.step_seconds)
+        return got
+
+    bound = ps._recompute_bound
+
+    def keep_all(sub, p, *rest):  # note the bound, then price recompute everywhere
+        bounds[(p, str(sub.mesh))] = bound(sub, p, *rest)
+        return -float("inf")
+
+    monkeypatch.setattr(ps, "_compose", record)
+    monkeypatch.setattr(ps, "_recompute_bound", keep_all)
+    everywhere = ps.search_pipeline(*args, plan_fn=autopar.plan)
+    assert seen and set(seen) <= set(bounds)
+    for key, fastest in seen.items():
+        assert bounds[key] <= fastest * (1 + 1e-9), (key, bounds[key], fastest)
+    # some sub-mesh is skipped for real, and the choice is the same
+    assert any(bounds[k] >= pruned.step_seconds for k in bounds)
+    assert pruned.step_seconds == everywhere.step_seconds and pruned.info == everywhere.info

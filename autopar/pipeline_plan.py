@@ -1,0 +1,131 @@
+"""A chosen pipeline made into a Plan (``pipeline_plan``), and the planner's two ways in: a
+pipeline pinned by ``strategy="pp"`` or a ``pp=`` mesh axis (``pinned_pipeline_plan``), and,
+under ``strategy="auto"``, the pipeline if it is predicted faster than the plan without stages
+(``pipeline_if_faster``). The search itself is ``autopar.pipeline_search``; the stage plans
+``autopar.pipeline_stages``. The planner is handed in as ``plan_fn`` (neither module imports
+``autopar.planner``, which imports them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import torch.fx as fx
+
+from autopar.cost_model.comm import p2p_s
+from autopar.cost_model.costs import TrainingSpec
+from autopar.cost_model.hardware import Hardware
+from autopar.mesh import MeshSpec
+from autopar.passes.split_stages import block_count
+from autopar.trace import graph_fingerprint
+
+from .errors import AutoparError
+from .pipeline_search import PipelineChoice, global_batch, search_pipeline
+from .pipeline_stages import plan_stages
+from .plan import Plan, SolverStats
+
+__all__ = ["pipeline_plan", "pinned_pipeline_plan", "pipeline_if_faster"]
+
+
+def pipeline_plan(choice: PipelineChoice, gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: TrainingSpec,
+                  budget: float, strategy: str, model_name: str, plan_fn: Callable[..., Plan],
+                  micro_graph: Callable[[int], fx.GraphModule] | None, baselines: tuple = (), seconds: float = 0.0,
+                  note: str = "") -> Plan:
+    """A Plan whose mesh is pp x the stage mesh, with the pipeline's predictions, stages and
+    stage plans (``pipeline_stages``; planned on ``micro_graph(m)``, the model traced for one
+    micro-batch: without it, as when ``plan`` is given a traced graph, the plan has no stage
+    plans and cannot run). Its nodes carry the layouts of the three priced pieces (whole batch).
+    ``comm_seconds``/``comm_bytes`` are those of the device that sends the most: its chunks'
+    collectives, the sends between stages and the tied-weight all-reduces. Raises
+    AutoparError when the stages cannot be built (callers skip the candidate)."""
+    sub, info = choice.sub, choice.info
+    p, m = info.n_stages, info.n_microbatches
+    mesh = MeshSpec(("pp", *sub.mesh.axes), (p, *sub.mesh.sizes), (choice.pp_link, *sub.mesh.links))
+    stage_plans: tuple = ()
+    comm_s, comm_bytes = 0.0, {}
+    if micro_graph is not None:
+        options = dict(hardware=hw, optimizer=train.optimizer, mixed_precision=train.mixed_precision,
+                       memory_budget_bytes=budget, recompute="full" if info.recompute else "none")
+        stage_plans = plan_stages(micro_graph(m), info.stage_blocks, sub.mesh, p, choice.pp_link, plan_fn, options,
+                                  model_name)
+        info = dataclasses.replace(info, tied=stage_plans.tied, chunks=stage_plans.chunks)
+        for k in range(p):
+            chunks = stage_plans.chunks[k::p]
+            s = sum(m * (c.comm_seconds + p2p_s(c.send_bytes, choice.pp_link) + p2p_s(c.send_grad_bytes,
+                                                                                      choice.pp_link))
+                    for c in chunks) + sum(t.seconds for t in info.tied if k in t.positions)
+            sent = info.predicted_bytes(k)
+            if sum(sent.values()) >= sum(comm_bytes.values()):
+                comm_s, comm_bytes = max(comm_s, s), sent
+    else:
+        note = (note + "; " if note else "") + "no stage plans (plan() was given a traced graph: plan the model)"
+    stats = SolverStats("pipeline search + HiGHS per stage", "Optimal", seconds, choice.step_seconds, choice.lower_bound_s,
+                        sum(s.solver.n_variables for s in stage_plans), sum(s.solver.n_constraints for s in stage_plans),
+                        sum(s.solver.ilps_solved for s in stage_plans), seconds, note)
+    busy = choice.step_seconds - info.bubble_seconds
+    return Plan(model=model_name, n_devices=n_gpus, mesh=mesh, hardware=hw.name, strategy=strategy,
+                optimizer=train.optimizer, mixed_precision=train.mixed_precision, memory_budget_bytes=budget,
+                step_seconds=choice.step_seconds, compute_seconds=max(busy - comm_s, 0.0), comm_seconds=comm_s,
+                param_state_bytes=choice.param_bytes, activation_bytes=choice.activation_bytes,
+                comm_bytes=comm_bytes, solver=stats, baselines=tuple(baselines), nodes=sub.nodes,
+                graph_fingerprint=graph_fingerprint(gm), pipeline=info,
+                recompute=(info.block_prefix,) if info.recompute else (), stage_plans=tuple(stage_plans))
+
+
+def pinned_pipeline_plan(gm: fx.GraphModule, n_gpus: int, mesh: str | MeshSpec | None, hw: Hardware,
+                         train: TrainingSpec, budget: float, model_name: str, t0: float, plan_fn: Callable[..., Plan],
+                         micro_graph: Callable[[int], fx.GraphModule] | None, progress=None) -> Plan:
+    """``strategy="pp"`` or a mesh with a ``pp`` axis: the best pipeline under that pin."""
+    pp = stage_mesh = None
+    if mesh is not None:
+        spec = MeshSpec.parse(mesh, n_gpus) if isinstance(mesh, str) else mesh
+        spec.check_devices(n_gpus)
+        if "pp" in spec.axes:
+            k = spec.axes.index("pp")
+            if k != 0:
+                raise AutoparError(f"mesh {spec}: the pp axis must come first (outermost), e.g. pp=4,dp=2,tp=8")
+            pp = spec.sizes[0]
+            rest = spec.axes[1:]
+            if rest:
+                stage_mesh = hw.mesh_spec(rest, spec.sizes[1:])
+    choice = search_pipeline(gm, n_gpus, hw, train, budget, plan_fn=plan_fn, pp=pp, stage_mesh=stage_mesh,
+                             progress=progress)
+    if choice is None:
+        blocks = block_count(gm)
+        raise AutoparError(f"no pipeline fits {n_gpus} devices with budget {budget / 2**30:.1f} GiB per device "
+                           f"(the model has {blocks} repeated blocks; a pipeline needs at least 3 and pp <= blocks"
+                           + (f"; pinned pp={pp}" if pp else "") + "); raise the memory budget, change the pin, "
+                           "or use strategy='auto'")
+    return pipeline_plan(choice, gm, n_gpus, hw, train, budget, "pp", model_name, plan_fn, micro_graph,
+                         seconds=time.perf_counter() - t0, note="pipeline pinned by strategy='pp' or a pp= mesh axis")
+
+
+def pipeline_if_faster(gm: fx.GraphModule, best: Plan | None, n_gpus: int, hw: Hardware, train: TrainingSpec,
+                       budget: float, model_name: str, t0: float, plan_fn: Callable[..., Plan],
+                       micro_graph: Callable[[int], fx.GraphModule] | None, baselines: tuple = (),
+                       progress=None) -> Plan | None:
+    """``strategy="auto"``: the pipeline plan if one is predicted faster than ``best`` (or
+    ``best`` is None: nothing fits without stages), else ``best``. A pipeline whose stages
+    cannot be built is skipped (``best`` is returned), never an error of the whole plan."""
+    if best is not None and global_batch(gm) < 4:
+        # fewer than 2 micro-batches per stage of even a 2-stage pipeline: half the devices
+        # would idle, so with a plan that fits the search is skipped (it costs seconds at scale)
+        return best
+    choice = search_pipeline(gm, n_gpus, hw, train, budget, plan_fn=plan_fn, progress=progress)
+    if choice is None or (best is not None and choice.step_seconds >= best.step_seconds):
+        return best
+    if best is not None:  # the bound covers the plans without stages too
+        other = best.solver.lower_bound  # NaN: the plan without stages has no bound, so neither has the union
+        choice = dataclasses.replace(choice, lower_bound_s=min(choice.lower_bound_s, other) if other == other
+                                     else float("nan"))
+    note = ("pipeline stages win: " + (f"{choice.step_seconds * 1e3:,.1f} ms vs {best.step_seconds * 1e3:,.1f} ms "
+                                       f"without" if best is not None else "nothing fits without them"))
+    try:
+        return pipeline_plan(choice, gm, n_gpus, hw, train, budget, "auto", model_name, plan_fn, micro_graph,
+                             baselines, seconds=time.perf_counter() - t0, note=note)
+    except AutoparError as exc:  # the stages cannot be built: skip the candidate
+        if progress:
+            progress(f"pipeline skipped: {exc}")
+        return best
