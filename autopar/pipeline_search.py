@@ -46,10 +46,10 @@ from autopar.cost_model.hardware import Hardware
 from autopar.cost_model.pipeline import StageCost, activations_in_flight, pipeline_cost, tied_sync_cost
 from autopar.cost_model.problem import build_problem
 from autopar.cost_model.recompute import recompute_effect, recompute_transient_bytes, recomputed_keys
-from autopar.cost_model.comm import collective_s, p2p_s
+from autopar.cost_model.comm import collective_s, p2p_s, unit_collective_s
 from autopar.cost_model.costs import TrainingSpec
 from autopar.cost_model.evaluate import shared_reshards
-from autopar.cost_model.fsdp_pricing import fsdp_fusions
+from autopar.cost_model.fsdp_pricing import fsdp_fusions, fsdp_unit_s
 from autopar.mesh import Link, MeshSpec
 from autopar.passes.split_stages import block_container, block_count, split_stages
 from autopar.trace import graph_fingerprint
@@ -107,15 +107,15 @@ def _split_costs(problem, choice: dict) -> _Part:
         else:
             batch += seconds
     fused, regathers = fsdp_fusions(problem, choice, recomputed_keys(problem, choice))  # ZeRO-3, per micro-batch
-    for st, count in regathers:
-        use += collective_s(st.collective, st.nbytes, mesh.sizes[st.axis], mesh.links[st.axis]) * count
+    for st, count, share in regathers:
+        use += unit_collective_s(st.collective, st.nbytes, mesh.sizes[st.axis], mesh.links[st.axis], share) * count
     for g in problem.syncs:
         if g.param and g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
             continue
         count = g.active_count(choice)
         if count:
             if (g.tensor, g.axis, g.layout) in fused:  # the gather's reduce-scatter, per micro-batch
-                use += collective_s("reduce_scatter", g.nbytes, mesh.sizes[g.axis], mesh.links[g.axis]) * count
+                use += fsdp_unit_s(problem, "reduce_scatter", g.nbytes, g.axis, g.param) * count
             elif g.param:  # once per step, after the schedule (runtime.pipeline defers them)
                 step += g.seconds * count / g.count
             else:

@@ -17,10 +17,11 @@ from __future__ import annotations
 from autopar.strategy import REPLICATE_CODE, Layout
 
 from .problem import Problem, partial_grad_axes
+from .comm import unit_collective_s
 from .reshard import CommStep, transitions
 from .saved_inputs import saves_input
 
-__all__ = ["fsdp_axis", "fsdp_fusions"]
+__all__ = ["fsdp_axis", "fsdp_fusions", "fsdp_unit_s"]
 
 
 def fsdp_axis(src: Layout, dst: Layout, split: tuple[int, ...], zero: tuple[int, ...]) -> int | None:
@@ -36,10 +37,11 @@ def fsdp_axis(src: Layout, dst: Layout, split: tuple[int, ...], zero: tuple[int,
 
 
 def fsdp_fusions(problem: Problem, choice: dict[str, int], recomputed: frozenset[str] = frozenset()
-                 ) -> tuple[set[tuple], list[tuple[CommStep, int]]]:
+                 ) -> tuple[set[tuple], list[tuple[CommStep, int, float]]]:
     """(the syncs run as reduce-scatters, keyed (tensor, axis, layout); the backward all-gathers
-    of saved weights, with their counts) under ``choice``. Consumers in ``recomputed`` (decisions
-    of recomputed blocks) save nothing: their recompute gathers again (``cost_model.recompute``)."""
+    of saved weights, with their counts and their parameter's unit share) under ``choice``.
+    Consumers in ``recomputed`` (decisions of recomputed blocks) save nothing: their recompute
+    gathers again (``cost_model.recompute``)."""
     mesh = problem.mesh
     fused: set[tuple] = set()
     regathers: list[tuple[CommStep, int]] = []
@@ -60,5 +62,15 @@ def fsdp_fusions(problem: Problem, choice: dict[str, int], recomputed: frozenset
         saving = sum(saves_input(v, e.input_index, problem.needs_grad) for v in e.targets) if e.targets else (
             e.count if saves_input(consumer.node, e.input_index, problem.needs_grad) else 0)
         if saving and e.consumer not in recomputed:
-            regathers.append((CommStep("all_gather", axis, e.total_bytes * b.local_fraction(mesh)), saving))
+            regathers.append((CommStep("all_gather", axis, e.total_bytes * b.local_fraction(mesh)), saving,
+                              problem.unit_shares.get(e.producer, 1.0)))
     return fused, regathers
+
+
+def fsdp_unit_s(problem: Problem, collective: str, nbytes: float, axis: int, param: str) -> float:
+    """Seconds of one ZeRO-3 collective of parameter decision ``param`` (a re-gather or a
+    gradient reduce-scatter), which ``runtime.fsdp`` runs once per unit: the parameter pays its
+    unit share of the latency (``comm.unit_collective_s``)."""
+    mesh = problem.mesh
+    return unit_collective_s(collective, nbytes, mesh.sizes[axis], mesh.links[axis],  # type: ignore[arg-type]
+                             problem.unit_shares.get(param, 1.0))
