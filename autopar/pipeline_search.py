@@ -49,7 +49,7 @@ from autopar.cost_model.recompute import recompute_effect, recompute_transient_b
 from autopar.cost_model.comm import collective_s, p2p_s, unit_collective_s
 from autopar.cost_model.costs import TrainingSpec
 from autopar.cost_model.evaluate import shared_reshards
-from autopar.cost_model.fsdp_pricing import fsdp_fusions, fsdp_unit_s
+from autopar.cost_model.fsdp_pricing import fsdp_fusions, fsdp_unit_s, fsdp_unit_shares
 from autopar.mesh import Link, MeshSpec
 from autopar.passes.split_stages import block_container, block_count, split_stages
 from autopar.trace import graph_fingerprint
@@ -107,6 +107,7 @@ def _split_costs(problem, choice: dict) -> _Part:
         else:
             batch += seconds
     fused, regathers = fsdp_fusions(problem, choice, recomputed_keys(problem, choice))  # ZeRO-3, per micro-batch
+    shares = fsdp_unit_shares(problem, choice)
     for st, count, share in regathers:
         use += unit_collective_s(st.collective, st.nbytes, mesh.sizes[st.axis], mesh.links[st.axis], share) * count
     for g in problem.syncs:
@@ -115,7 +116,7 @@ def _split_costs(problem, choice: dict) -> _Part:
         count = g.active_count(choice)
         if count:
             if (g.tensor, g.axis, g.layout) in fused:  # the gather's reduce-scatter, per micro-batch
-                use += fsdp_unit_s(problem, "reduce_scatter", g.nbytes, g.axis, g.param) * count
+                use += fsdp_unit_s(problem, "reduce_scatter", g.nbytes, g.axis, g.param, shares) * count
             elif g.param:  # once per step, after the schedule (runtime.pipeline defers them)
                 step += g.seconds * count / g.count
             else:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from autopar.strategy import REPLICATE_CODE
 
 from .comm import bytes_sent_per_rank, collective_s, unit_collective_s
-from .fsdp_pricing import fsdp_fusions, fsdp_unit_s
+from .fsdp_pricing import fsdp_fusions, fsdp_unit_s, fsdp_unit_shares
 from .optimizer_norms import norm_allreduce_bytes
 from .problem import Problem, partial_grad_axes
 from .liveness import step_memory
@@ -102,6 +102,7 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
     shared = shared_reshards(problem, choice)
     fused, regathers = fsdp_fusions(problem, choice, recomputed_keys(problem, choice))  # ZeRO-3 as runtime.fsdp runs it
     gathered = {(tensor, layout) for tensor, _, layout in fused}
+    shares = fsdp_unit_shares(problem, choice)  # ZeRO-3 collectives run per unit where the runtime groups them
     panels: dict[int, float] = {}
     for idx, e in enumerate(problem.edges):
         copies = e.count - shared.get(idx, 0)
@@ -116,7 +117,7 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
             # this parameter pays its unit share of the latency the edge priced in full
             last = transitions(a, b)[-1]
             n, latency = mesh.sizes[last.axis], mesh.links[last.axis].latency_s
-            unit_discount = (n - 1) * latency * (1.0 - problem.unit_shares.get(e.producer, 1.0)) * copies
+            unit_discount = (n - 1) * latency * (1.0 - shares.get(e.producer, 1.0)) * copies
             edge_s -= unit_discount
             comm_s -= unit_discount
             async_s += edge_s
@@ -141,7 +142,7 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
             kind = "reduce_scatter" if (g.tensor, g.axis, g.layout) in fused else "all_reduce"
             n = mesh.sizes[g.axis]
             sync_s = g.seconds * count / g.count if kind == "all_reduce" else \
-                fsdp_unit_s(problem, kind, g.nbytes, g.axis, g.param) * count  # one reduce-scatter per unit
+                fsdp_unit_s(problem, kind, g.nbytes, g.axis, g.param, shares) * count  # one reduce-scatter per unit
             comm_s += sync_s
             if g.param:  # a parameter's gradient: bucketed (grad_buckets) or reduce-scattered asynchronously (fsdp)
                 async_s += sync_s

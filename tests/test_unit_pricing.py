@@ -42,3 +42,31 @@ def test_zero3_pays_latency_per_unit_not_per_parameter():
     collectives = plan.comm_seconds / hop_s
     assert 2 * len(units) <= collectives <= 3 * len(units) + 2, (collectives, len(units))
     assert collectives < n_params  # well under one per parameter
+
+
+def _plan_on_latency_link(strategy):
+    logging.disable(logging.WARNING)
+    model, inputs = gpt(GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=512, block_size=64),
+                        batch_size=8, seq_len=64, device="meta")
+    link = Link("latency-only", 1e30, 1e-3)
+    hw = dataclasses.replace(get_hardware("cpu"), intra_node=link, inter_node=link, comm_overlap=0.0)
+    return autopar.plan(model, 4, inputs, hardware=hw, strategy=strategy, baselines=False, pipeline=False)
+
+
+def test_units_group_only_weights_cut_on_their_gather_axis_alone():
+    """runtime.fsdp groups a unit's gathers only when every weight is stored cut on its gather
+    axis alone (ZeRO-3 over dp); 2D layouts cut each weight on both axes and gather one at a time,
+    so without unit shares the 2D plan prices the same and the dp plan more."""
+    from autopar.cost_model.evaluate import evaluate
+
+    for strategy, grouped in (("zero3", True), ("2d", False)):
+        plan = _plan_on_latency_link(strategy)
+        problem, choice = plan.problem, plan.choice
+        with_units = evaluate(problem, choice).comm_seconds
+        problem.unit_shares = {}
+        alone = evaluate(problem, choice).comm_seconds
+        assert plan.comm_bytes.get("all_gather", 0) > 0, strategy  # it does gather weights
+        if grouped:
+            assert alone > 2 * with_units, strategy
+        else:
+            assert alone == pytest.approx(with_units), strategy
