@@ -10,6 +10,9 @@ What is measured, on every rank at once (each rank is one "device" of the profil
 - ``memory_bandwidth_bytes_per_s``: ``c = a + b`` on tensors far larger than any cache,
   counting two reads and one write - the bytes the cost model's roofline charges an
   elementwise op (its inputs plus its output). A plain copy is measured and printed too.
+- ``softmax_bytes_per_s``: log-softmax over 8192-wide fp32 rows, input + output bytes: the
+  rate of softmax-like ops (softmax, log-softmax, the cross-entropy loss), whose exp/log and
+  row reductions run below the streaming rate on CPU (``cost_model/costs.py``).
 - ``kernel_overhead_s``: time per op of back-to-back 1-element adds (dispatch and launch).
 - ``optimizer_params_per_s``: parameter elements per second ``torch.optim.AdamW`` (defaults)
   updates: the optimizer step's price (``cost_model/offload.py``).
@@ -122,6 +125,7 @@ class DeviceMeasurements:
     tiny_op_seconds: float
     memory_bytes: float
     adamw_params_per_s: float = 0.0  # torch's AdamW step with its defaults (0: not measured)
+    softmax_bytes_per_s: float = 0.0  # log-softmax over 8192-wide rows, input + output bytes (0: not measured)
 
 
 @dataclass(frozen=True)
@@ -261,6 +265,7 @@ def _build(measured: dict[str, Any], backend: str, name: str | None, links_from:
         inter_node=inter_link,
         kernel_overhead_s=dev.tiny_op_seconds,
         optimizer_params_per_s=dev.adamw_params_per_s,
+        softmax_bytes_per_s=dev.softmax_bytes_per_s,
         efficiency=1.0,  # measured rates already include kernel efficiency (module docstring)
         comm_overlap=float(overlap) if overlap is not None else (base.comm_overlap if base is not None else 0.0),
         # CPU ranks share this machine's cores (the rates above are each rank's share of them)
@@ -301,6 +306,8 @@ def format_summary(cal: Calibration) -> str:
         (f"copy {_fmt_bytes(d.stream_bytes)}", f"{d.copy_bytes_per_s / 1e9:,.2f} GB/s", "(read + write)"),
         ("add c = a + b", f"{d.add_bytes_per_s / 1e9:,.2f} GB/s",
          "(2 reads + 1 write) -> memory_bandwidth_bytes_per_s"),
+        ("log-softmax 8192-wide rows", f"{d.softmax_bytes_per_s / 1e9:,.2f} GB/s",
+         "(input + output) -> softmax_bytes_per_s"),
         ("tiny op (1-element add)", f"{d.tiny_op_seconds * 1e6:,.2f} us", "-> kernel_overhead_s"),
         ("AdamW step", f"{d.adamw_params_per_s / 1e6:,.1f} M params/s", "-> optimizer_params_per_s"),
         ("memory", f"{d.memory_bytes / 2**30:,.2f} GiB", "-> memory_bytes"),

@@ -87,6 +87,16 @@ def _stream_rates(nbytes: int, device: torch.device, sync: Callable[[], None],
     return copy, add
 
 
+def _softmax_bytes_per_s(device: torch.device, sync: Callable[[], None], window_s: float) -> float:
+    """Bytes per second (input + output) of log-softmax over vocabulary-wide rows (8192 fp32
+    columns, as a language model's loss runs it): the rate the cost model prices softmax-like
+    ops at (``cost_model.costs``). 8 MiB on CPU (a per-rank loss of a small GPT), 256 MiB on CUDA."""
+    rows = 8192 if device.type == "cuda" else 256
+    x = torch.randn(rows, 8192, device=device)
+    out = torch.empty_like(x)
+    return 2 * x.numel() * 4 / _seconds_per_call(lambda: torch.log_softmax(x, -1, out=out), sync, window_s)
+
+
 def measure_device(device: torch.device, quick: bool, say: Callable[[str], None]) -> dict[str, Any]:
     """This rank's device rates (see the module docstring for what each is)."""
     sync = _sync_fn(device)
@@ -102,6 +112,8 @@ def measure_device(device: torch.device, quick: bool, say: Callable[[str], None]
     stream_bytes = (256 << 20 if quick else 1 << 30) if cuda else (16 << 20 if quick else 64 << 20)
     copy, add = _stream_rates(stream_bytes, device, sync, window)
     say(f"copy {copy / 1e9:,.1f} GB/s, add {add / 1e9:,.1f} GB/s ({stream_bytes >> 20} MiB tensors)")
+    softmax = _softmax_bytes_per_s(device, sync, window)
+    say(f"log-softmax {softmax / 1e9:,.2f} GB/s (input + output)")
     adamw = _adamw_params_per_s(device, sync, window)
     say(f"AdamW step (torch defaults): {adamw / 1e6:,.1f} M parameters/s")
     one, out = torch.ones(1, device=device), torch.empty(1, device=device)
@@ -114,7 +126,7 @@ def measure_device(device: torch.device, quick: bool, say: Callable[[str], None]
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     return dict(device=name, matmul_n=n, matmul_fp32_flops=fp32, matmul_bf16_flops=bf16, bf16_native=bf16_native,
                 stream_bytes=stream_bytes, copy_bytes_per_s=copy, add_bytes_per_s=add, tiny_op_seconds=tiny,
-                memory_bytes=memory, adamw_params_per_s=adamw)
+                memory_bytes=memory, adamw_params_per_s=adamw, softmax_bytes_per_s=softmax)
 
 
 def _time_collective(fn: Callable[[], Any], sync: Callable[[], None], group: Any, device: torch.device,
@@ -180,7 +192,8 @@ def _measure_overlap(group: Any, n: int, device: torch.device, quick: bool, say:
     matmuls, ``t_both`` the all-reduce launched, the matmuls run, then waited on. The overlap
     is ``(t_comm + t_comp - t_both) / min(t_comm, t_comp)``, clamped to [0, 1]: 1 when the
     shorter one hides entirely, 0 when they run one after the other (or slow each other down
-    that much, as ranks that share their cores with gloo's threads may). Medians of trials.
+    that much, as ranks that share their cores with gloo's threads may). Each time is the
+    median over rounds that time all three back to back.
     """
     sync = _sync_fn(device)
     cuda = device.type == "cuda"
@@ -202,26 +215,27 @@ def _measure_overlap(group: Any, n: int, device: torch.device, quick: bool, say:
         work.wait()
 
     def timed(fn: Callable[[], None]) -> float:
-        trials = []
-        for _ in range(3 if quick else 5):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            trials.append(time.perf_counter() - t0)
-        return statistics.median(trials)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
 
     comm()
-    t_comm = timed(comm)
+    t_comm = statistics.median(timed(comm) for _ in range(3))
     one = _seconds_per_call(lambda: torch.mm(a, b), sync, 0.05)
     k = torch.tensor([max(1.0, round(t_comm / one))], dtype=torch.float64, device=device)
     dist.all_reduce(k, op=dist.ReduceOp.MAX, group=group)  # every rank the same work
     k_int = int(k.item())
-    t_comp = timed(lambda: comp(k_int))
-    t_both = timed(lambda: both(k_int))
+    # The three timed back to back in each round, so load that drifts (a machine others use
+    # too) hits all three alike, and the overlap taken from each one's median over the rounds:
+    # whole phases one after another gave 0.23 and 0.94 on this machine minutes apart, and a
+    # median of per-round ratios swings as much (one slow round of the shorter term decides it).
+    rows = [(timed(comm), timed(lambda: comp(k_int)), timed(lambda: both(k_int))) for _ in range(3 if quick else 7)]
+    t_comm, t_comp, t_both = (statistics.median(r[i] for r in rows) for i in range(3))
     overlap = (t_comm + t_comp - t_both) / min(t_comm, t_comp)
     say(f"overlap: all-reduce {size >> 20} MiB {t_comm * 1e3:.1f} ms, {k_int} matmuls {t_comp * 1e3:.1f} ms, "
-        f"both {t_both * 1e3:.1f} ms -> {overlap:.2f}")
+        f"both {t_both * 1e3:.1f} ms (medians of {len(rows)} rounds) -> {overlap:.2f}")
     return min(1.0, max(0.0, overlap))
 
 

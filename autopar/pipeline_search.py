@@ -53,10 +53,10 @@ from autopar.cost_model.hardware import Hardware
 from autopar.cost_model.pipeline import StageCost, activations_in_flight, pipeline_cost, tied_sync_cost
 from autopar.cost_model.problem import build_problem
 from autopar.cost_model.recompute import recompute_effect, recompute_transient_bytes, recomputed_keys
-from autopar.cost_model.comm import collective_s, p2p_s
+from autopar.cost_model.comm import collective_s, p2p_s, unit_collective_s
 from autopar.cost_model.costs import TrainingSpec
 from autopar.cost_model.evaluate import shared_reshards
-from autopar.cost_model.fsdp_pricing import fsdp_fusions
+from autopar.cost_model.fsdp_pricing import fsdp_fusions, fsdp_unit_s, fsdp_unit_shares
 from autopar.mesh import Link, MeshSpec
 from autopar.passes.annotate import annotate
 from autopar.passes.split_stages import block_container, split_stages
@@ -117,15 +117,16 @@ def _split_costs(problem, choice: dict, regathers: bool = True) -> _Part:
             batch += seconds
     fused, again = fsdp_fusions(problem, choice, recomputed_keys(problem, choice) if regathers
                                 else frozenset(problem.decisions))  # ZeRO-3, per micro-batch
-    for st, count in again:
-        use += collective_s(st.collective, st.nbytes, mesh.sizes[st.axis], mesh.links[st.axis]) * count
+    shares = fsdp_unit_shares(problem, choice)
+    for st, count, share in again:
+        use += unit_collective_s(st.collective, st.nbytes, mesh.sizes[st.axis], mesh.links[st.axis], share) * count
     for g in problem.syncs:
         if g.param and g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
             continue
         count = g.active_count(choice)
         if count:
             if (g.tensor, g.axis, g.layout) in fused:  # the gather's reduce-scatter, per micro-batch
-                use += collective_s("reduce_scatter", g.nbytes, mesh.sizes[g.axis], mesh.links[g.axis]) * count
+                use += fsdp_unit_s(problem, "reduce_scatter", g.nbytes, g.axis, g.param, shares) * count
             elif g.param:  # once per step, after the schedule (runtime.pipeline defers them)
                 step += g.seconds * count / g.count
             else:

@@ -30,6 +30,7 @@ __all__ = [
     "broadcast_s",
     "p2p_s",
     "collective_s",
+    "unit_collective_s",
     "bytes_sent_per_rank",
 ]
 
@@ -130,6 +131,19 @@ def collective_s(collective: Collective, nbytes: float, n: int, link: Link) -> f
         _check(nbytes, n)
         return 0.0 if n == 1 else p2p_s(nbytes, link)
     raise ValueError(f"unknown collective {collective!r}; pick one of {', '.join(COLLECTIVES)}")
+
+
+def unit_collective_s(collective: Collective, nbytes: float, n: int, link: Link, unit_share: float) -> float:
+    """One tensor's share of a collective the runtime runs once for a whole unit of tensors (a
+    ZeRO unit's flat all-gather or reduce-scatter, ``runtime.fsdp`` / ``runtime.zero2``): the
+    bandwidth term in full (the ring formulas are linear in the payload), the latency term
+    ``unit_share`` times (the tensor's share of the unit's elements), so the shares of one unit
+    sum to one collective's latency. ``unit_share=1``: a collective of its own."""
+    full = collective_s(collective, nbytes, n, link)
+    if full == 0.0 or collective in ("broadcast", "reduce", "p2p"):
+        return full
+    steps = 2 * (n - 1) if collective == "all_reduce" else n - 1
+    return full - steps * link.latency_s * (1.0 - unit_share)
 
 
 def bytes_sent_per_rank(collective: Collective, nbytes: float, n: int) -> float:

@@ -108,6 +108,9 @@ class Problem:
     host: Any = None  # ZeRO-Offload: host bytes per parameter option (cost_model/offload.HostMemory)
     comm_overlap: float = 0.0  # Hardware.comm_overlap: asynchronous collectives hidden (cost_model/overlap.py)
     train: Any = None  # the TrainingSpec it was priced for (cost_model/liveness.py reads it)
+    # parameter decision key -> its share of its ZeRO unit's elements (``cost_model.blocks.unit_key``):
+    # the share of a unit collective's latency it pays (``comm.unit_collective_s``)
+    unit_shares: dict[str, float] = field(default_factory=dict)
 
     def strategy_of(self, name: str, choice: dict[str, int]) -> Strategy:
         """The strategy node ``name`` runs under a solved ``choice``."""

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from autopar.strategy import REPLICATE_CODE
 
-from .comm import bytes_sent_per_rank, collective_s
-from .fsdp_pricing import fsdp_fusions
+from .comm import bytes_sent_per_rank, collective_s, unit_collective_s
+from .fsdp_pricing import fsdp_fusions, fsdp_unit_s, fsdp_unit_shares
 from .optimizer_norms import norm_allreduce_bytes
 from .problem import Problem, partial_grad_axes
 from .liveness import step_memory
@@ -102,6 +102,7 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
     shared = shared_reshards(problem, choice)
     fused, regathers = fsdp_fusions(problem, choice, recomputed_keys(problem, choice))  # ZeRO-3 as runtime.fsdp runs it
     gathered = {(tensor, layout) for tensor, _, layout in fused}
+    shares = fsdp_unit_shares(problem, choice)  # ZeRO-3 collectives run per unit where the runtime groups them
     panels: dict[int, float] = {}
     for idx, e in enumerate(problem.edges):
         copies = e.count - shared.get(idx, 0)
@@ -112,7 +113,14 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
         edge_s = e.seconds[(a, b)] * copies / e.count
         comm_s += edge_s
         if problem.decisions[e.producer].is_param and (e.tensor, b) in gathered:
-            async_s += edge_s  # a ZeRO-3 gather, prefetched (runtime.fsdp)
+            # a ZeRO-3 gather (the reshard's last step), prefetched and run once per unit (runtime.fsdp):
+            # this parameter pays its unit share of the latency the edge priced in full
+            last = transitions(a, b)[-1]
+            n, latency = mesh.sizes[last.axis], mesh.links[last.axis].latency_s
+            unit_discount = (n - 1) * latency * (1.0 - shares.get(e.producer, 1.0)) * copies
+            edge_s -= unit_discount
+            comm_s -= unit_discount
+            async_s += edge_s
         panel = e.memory.get((a, b), 0.0) * copies / e.count  # gathered panels kept for backward
         acts_b += panel
         if panel:
@@ -120,8 +128,9 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
         fwd, bwd = reshard_steps(a, b, e.total_bytes, mesh, e.needs_grad)
         for step in fwd + bwd:
             sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * copies
-    for step, count in regathers:
-        regather_s = collective_s(step.collective, step.nbytes, mesh.sizes[step.axis], mesh.links[step.axis]) * count
+    for step, count, share in regathers:
+        regather_s = unit_collective_s(step.collective, step.nbytes, mesh.sizes[step.axis], mesh.links[step.axis],
+                                       share) * count
         comm_s += regather_s
         async_s += regather_s  # prefetched in backward
         sent[step.collective] += bytes_sent_per_rank(step.collective, step.nbytes, mesh.sizes[step.axis]) * count
@@ -131,8 +140,9 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
         count = g.active_count(choice)  # the tensors whose consumers chose a triggering option
         if count:
             kind = "reduce_scatter" if (g.tensor, g.axis, g.layout) in fused else "all_reduce"
-            n, link = mesh.sizes[g.axis], mesh.links[g.axis]
-            sync_s = g.seconds * count / g.count if kind == "all_reduce" else collective_s(kind, g.nbytes, n, link) * count
+            n = mesh.sizes[g.axis]
+            sync_s = g.seconds * count / g.count if kind == "all_reduce" else \
+                fsdp_unit_s(problem, kind, g.nbytes, g.axis, g.param, shares) * count  # one reduce-scatter per unit
             comm_s += sync_s
             if g.param:  # a parameter's gradient: bucketed (grad_buckets) or reduce-scattered asynchronously (fsdp)
                 async_s += sync_s

@@ -65,6 +65,13 @@ class Hardware:
     # and moments (~6x one stream of them on CPU). 0: the step is priced as one stream at
     # ``memory_bandwidth_bytes_per_s`` (a fused kernel's floor; the built-in profiles).
     optimizer_params_per_s: float = 0.0
+    # Bytes per second (input + output) of softmax-like ops: softmax, log-softmax and the
+    # cross-entropy loss built on it, whose exp/log and row reductions run well below the
+    # streaming rate on CPU (measured here: log-softmax over 8192-wide rows ~2-5x slower per byte
+    # than ``c = a + b``). ``autopar calibrate`` measures it (log-softmax over vocabulary-wide
+    # rows). 0: priced at ``memory_bandwidth_bytes_per_s`` like any elementwise op (the GPU
+    # profiles: there these kernels are bound by HBM bandwidth).
+    softmax_bytes_per_s: float = 0.0
     # CPU cores the devices of one node share (0: every device computes on its own, as GPUs
     # do). CPU ranks outnumbering the cores (4 gloo ranks on this 2-core machine) run at a
     # share of a core when all are busy, which is what ``autopar calibrate`` measures; a rank
@@ -91,6 +98,9 @@ class Hardware:
         if not isinstance(self.optimizer_params_per_s, (int, float)) or not 0 <= self.optimizer_params_per_s < math.inf:
             raise HardwareError(f"hardware {self.name!r}: optimizer_params_per_s must be >= 0 (0: priced from "
                                 f"memory bandwidth), got {self.optimizer_params_per_s!r}")
+        if not isinstance(self.softmax_bytes_per_s, (int, float)) or not 0 <= self.softmax_bytes_per_s < math.inf:
+            raise HardwareError(f"hardware {self.name!r}: softmax_bytes_per_s must be >= 0 (0: priced at "
+                                f"memory_bandwidth_bytes_per_s), got {self.softmax_bytes_per_s!r}")
         if not isinstance(self.comm_overlap, (int, float)) or not 0 <= self.comm_overlap <= 1:
             raise HardwareError(f"hardware {self.name!r}: comm_overlap must be in [0, 1] (the fraction of "
                                 f"asynchronous communication hidden behind compute), got {self.comm_overlap!r}")

@@ -46,7 +46,7 @@ from .graph_facts import share_blocks_and_ties as _share_blocks_and_ties
 from .graph_facts import tensor_inputs as _inputs
 from .saved_inputs import saves_input
 from .buckets import bucketed_all_reduce_s
-from .comm import all_reduce_s, collective_s
+from .comm import all_reduce_s, unit_collective_s
 from .costs import TrainingSpec, activation_bytes, compute_seconds
 from .hardware import Hardware
 from .offload import add_host_memory, param_option_cost
@@ -120,12 +120,8 @@ def zero2_seconds(steps: list[CommStep], mesh: MeshSpec, unit_share: float) -> f
     at once (``runtime.zero2``, one zero axis): the bandwidth terms in full, the latency of each
     collective once per unit, so a parameter pays ``unit_share`` of it (as a bucketed all-reduce
     pays its share, ``cost_model.buckets``); ``unit_share=1``: a collective of its own."""
-    total = 0.0
-    for st in steps:
-        n, link = mesh.sizes[st.axis], mesh.links[st.axis]
-        full = collective_s(st.collective, st.nbytes, n, link)
-        total += full - ((n - 1) * link.latency_s * (1.0 - unit_share) if full else 0.0)
-    return total
+    return sum(unit_collective_s(st.collective, st.nbytes, mesh.sizes[st.axis], mesh.links[st.axis], unit_share)
+               for st in steps)
 
 
 def _unit_numels(gm: fx.GraphModule) -> dict[str, int]:
@@ -362,8 +358,10 @@ class _Builder:
                 self.add_root(n)
         self.add_outputs()
         edges, syncs = self.edges_and_syncs()
-        return Problem(self.mesh, self.decisions, edges, syncs, self.rep, dict(self.counts), self.followers,
-                       self.needs, self.train.optimizer)
+        problem = Problem(self.mesh, self.decisions, edges, syncs, self.rep, dict(self.counts), self.followers,
+                          self.needs, self.train.optimizer)
+        problem.unit_shares = {k: self.unit_share(d.node) for k, d in self.decisions.items() if d.is_param}
+        return problem
 
     def edges_and_syncs(self):
         edge_acc: dict[tuple, EdgeTerm] = {}

@@ -73,9 +73,10 @@ def test_zero3_gathers_and_reduce_scatters_are_asynchronous():
     assert p1.comm_bytes == p0.comm_bytes and p1.comm_seconds == pytest.approx(p0.comm_seconds)
     assert p0.step_seconds == pytest.approx(p0.compute_seconds + p0.comm_seconds)
     # ZeRO-3's gathers and reduce-scatters run beside compute: they hide when the compute is longer;
-    # what stays is the position embedding's activation-gradient all-reduce (inside the program)
+    # what stays is the position embedding's activation-gradient all-reduce (inside the program),
+    # a third of the comm now that ZeRO-3's collectives pay one latency per unit (cost_model/fsdp_pricing.py)
     assert p0.comm_seconds < p0.compute_seconds
-    assert p1.step_seconds - p0.compute_seconds < 0.2 * p0.comm_seconds, (p1.step_seconds, p0.compute_seconds)
+    assert p1.step_seconds - p0.compute_seconds < 0.4 * p0.comm_seconds, (p1.step_seconds, p0.compute_seconds)
 
 
 def test_recompute_composes_with_overlap():
