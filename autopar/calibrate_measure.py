@@ -63,6 +63,20 @@ def _matmul_flops(n: int, dtype: torch.dtype, device: torch.device, sync: Callab
     return 2 * n**3 / _seconds_per_call(lambda: torch.mm(a, b), sync, window_s)
 
 
+def _adamw_params_per_s(device: torch.device, sync: Callable[[], None], window_s: float) -> float:
+    """Parameter elements per second that ``torch.optim.AdamW(params)`` with its defaults (what a
+    training loop writes; on CPU torch picks the per-tensor loop, on CUDA ``foreach``) updates,
+    over eight layer-sized fp32 tensors far larger than any cache. Its many passes over the
+    weights, gradients and moments cost several times one stream of them (measured here: ~6x)."""
+    rows, cols = (4096, 4096) if device.type == "cuda" else (512, 1024)
+    params = [torch.nn.Parameter(torch.randn(rows, cols, device=device)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()  # creates the moments
+    return 8 * rows * cols / _seconds_per_call(opt.step, sync, window_s)
+
+
 def _stream_rates(nbytes: int, device: torch.device, sync: Callable[[], None],
                   window_s: float) -> tuple[float, float]:
     """(copy, add) bytes per second: a copy moves 2 x ``nbytes``, ``c = a + b`` 3 x."""
@@ -88,6 +102,8 @@ def measure_device(device: torch.device, quick: bool, say: Callable[[str], None]
     stream_bytes = (256 << 20 if quick else 1 << 30) if cuda else (16 << 20 if quick else 64 << 20)
     copy, add = _stream_rates(stream_bytes, device, sync, window)
     say(f"copy {copy / 1e9:,.1f} GB/s, add {add / 1e9:,.1f} GB/s ({stream_bytes >> 20} MiB tensors)")
+    adamw = _adamw_params_per_s(device, sync, window)
+    say(f"AdamW step (torch defaults): {adamw / 1e6:,.1f} M parameters/s")
     one, out = torch.ones(1, device=device), torch.empty(1, device=device)
     tiny = _seconds_per_call(lambda: torch.add(one, one, out=out), sync, window, batch=100)
     say(f"tiny op {tiny * 1e6:.1f} us")
@@ -98,7 +114,7 @@ def measure_device(device: torch.device, quick: bool, say: Callable[[str], None]
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     return dict(device=name, matmul_n=n, matmul_fp32_flops=fp32, matmul_bf16_flops=bf16, bf16_native=bf16_native,
                 stream_bytes=stream_bytes, copy_bytes_per_s=copy, add_bytes_per_s=add, tiny_op_seconds=tiny,
-                memory_bytes=memory)
+                memory_bytes=memory, adamw_params_per_s=adamw)
 
 
 def _time_collective(fn: Callable[[], Any], sync: Callable[[], None], group: Any, device: torch.device,

@@ -11,7 +11,7 @@ import re
 
 import torch.fx as fx
 
-__all__ = ["block_of", "attention_segment_of", "split_recompute_entry"]
+__all__ = ["block_of", "attention_segment_of", "split_recompute_entry", "unit_key"]
 
 _BLOCK_RE = re.compile(r"^(?P<prefix>.*?)\.?(?P<index>\d+)$")
 
@@ -30,6 +30,18 @@ def block_of(node: fx.Node) -> tuple[str, int] | None:
         if m and m.group("prefix"):
             return m.group("prefix"), int(m.group("index"))
     return None
+
+
+def unit_key(target: str) -> str:
+    """The ZeRO unit of the parameter at ``target``, whose weights the runtime gathers and whose
+    gradients it reduce-scatters in one collective (``runtime.fsdp``, ``runtime.zero2``): its
+    path up to the first numeric part (a repeated block, ``blocks.3.attn.q_proj.weight`` ->
+    ``blocks.3``), else its module (``lm_head.weight`` -> ``lm_head``)."""
+    parts = target.split(".")
+    for k, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:k + 1])
+    return ".".join(parts[:-1])
 
 
 # Selective recompute (cost_model/recompute.py, mode "selective") recomputes one segment of each

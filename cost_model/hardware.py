@@ -60,6 +60,11 @@ class Hardware:
     # flight while matmuls run). 0 (nothing hidden) for profiles that do not say, such as JSON
     # profiles written before it was measured; the GPU profiles below assume 0.9.
     comm_overlap: float = 0.0
+    # Parameter elements per second torch's AdamW (its defaults) updates on one device, measured
+    # by ``autopar calibrate``: its per-tensor loop makes several passes over weights, gradients
+    # and moments (~6x one stream of them on CPU). 0: the step is priced as one stream at
+    # ``memory_bandwidth_bytes_per_s`` (a fused kernel's floor; the built-in profiles).
+    optimizer_params_per_s: float = 0.0
     # CPU cores the devices of one node share (0: every device computes on its own, as GPUs
     # do). CPU ranks outnumbering the cores (4 gloo ranks on this 2-core machine) run at a
     # share of a core when all are busy, which is what ``autopar calibrate`` measures; a rank
@@ -83,6 +88,9 @@ class Hardware:
         if not isinstance(self.shared_cores, (int, float)) or not 0 <= self.shared_cores < math.inf:
             raise HardwareError(f"hardware {self.name!r}: shared_cores must be >= 0 (0: devices do not share "
                                 f"cores), got {self.shared_cores!r}")
+        if not isinstance(self.optimizer_params_per_s, (int, float)) or not 0 <= self.optimizer_params_per_s < math.inf:
+            raise HardwareError(f"hardware {self.name!r}: optimizer_params_per_s must be >= 0 (0: priced from "
+                                f"memory bandwidth), got {self.optimizer_params_per_s!r}")
         if not isinstance(self.comm_overlap, (int, float)) or not 0 <= self.comm_overlap <= 1:
             raise HardwareError(f"hardware {self.name!r}: comm_overlap must be in [0, 1] (the fraction of "
                                 f"asynchronous communication hidden behind compute), got {self.comm_overlap!r}")

@@ -78,6 +78,9 @@ def param_option_cost(numel: int, layout: Layout, mesh: MeshSpec, hw: Hardware, 
     split = math.prod(mesh.sizes[a] for a in zero_axes)
     weights, grads = parts.weights, parts.grads
     if not train.offload:
+        if hw.optimizer_params_per_s > 0 and train.optimizer in ("adam", "adamw"):
+            # the measured rate of torch's AdamW on this device (autopar calibrate)
+            return local / split / hw.optimizer_params_per_s, parts.total, 0.0
         streamed = weights + grads + parts.state
         # the optimizer step streams weights, gradients and state once
         return streamed / (hw.efficiency * hw.memory_bandwidth_bytes_per_s), parts.total, 0.0

@@ -38,6 +38,7 @@ from autopar.strategy import REPLICATE_CODE, Layout, Strategy
 from autopar.technique import PriceContext, technique, techniques_for
 
 from .blocks import block_of as _block_of  # noqa: F401 (passes/split_stages imports it from here)
+from .blocks import unit_key
 from .decisions import Decision, EdgeTerm, Problem, SyncTerm
 from .graph_facts import graph_memo as _graph_memo
 from .graph_facts import requires_grad as _requires_grad
@@ -45,14 +46,15 @@ from .graph_facts import share_blocks_and_ties as _share_blocks_and_ties
 from .graph_facts import tensor_inputs as _inputs
 from .saved_inputs import saves_input
 from .buckets import bucketed_all_reduce_s
-from .comm import all_reduce_s
+from .comm import all_reduce_s, collective_s
 from .costs import TrainingSpec, activation_bytes, compute_seconds
 from .hardware import Hardware
 from .offload import add_host_memory, param_option_cost
 from .recompute import add_recompute
 from .reshard import CommStep, reshard_seconds, reshard_steps, steps_seconds, transitions
 
-__all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins", "partial_grad_axes", "zero2_steps"]
+__all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins", "partial_grad_axes", "zero2_steps",
+           "zero2_seconds"]
 
 # Pins restrict decisions (for baselines and user-pinned families): a function from a node to
 # a predicate on its candidate (strategy, zero) options, or None for no restriction.
@@ -111,6 +113,30 @@ def zero2_steps(numel: int, layout: Layout, zero_axes: tuple[int, ...], mesh: Me
         size *= mesh.sizes[a]
         steps.append(CommStep("all_gather", a, size))
     return steps
+
+
+def zero2_seconds(steps: list[CommStep], mesh: MeshSpec, unit_share: float) -> float:
+    """Seconds of one parameter's ZeRO-2 ``steps`` when the runtime runs them for the whole unit
+    at once (``runtime.zero2``, one zero axis): the bandwidth terms in full, the latency of each
+    collective once per unit, so a parameter pays ``unit_share`` of it (as a bucketed all-reduce
+    pays its share, ``cost_model.buckets``); ``unit_share=1``: a collective of its own."""
+    total = 0.0
+    for st in steps:
+        n, link = mesh.sizes[st.axis], mesh.links[st.axis]
+        full = collective_s(st.collective, st.nbytes, n, link)
+        total += full - ((n - 1) * link.latency_s * (1.0 - unit_share) if full else 0.0)
+    return total
+
+
+def _unit_numels(gm: fx.GraphModule) -> dict[str, int]:
+    """Elements per ZeRO unit, over the graph's parameters (each tensor once)."""
+    totals: dict[str, int] = defaultdict(int)
+    seen: set[int] = set()
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            totals[unit_key(name)] += p.numel()
+    return totals
 
 
 def _is_follower(node: fx.Node) -> bool:
@@ -209,10 +235,17 @@ class _Builder:
                 # rows; followers' below).
                 steps = zero2_steps(n.meta["val"].numel(), st.output, zero_axes, self.mesh,
                                     self.train.activation_bytes_per_elem)
-                sec = steps_seconds(steps, self.mesh) * count
+                share = self.unit_share(n) if len(zero_axes) == 1 else 1.0
+                sec = zero2_seconds(steps, self.mesh, share) * count
                 d.seconds[i] += sec
                 d.comm_seconds[i] += sec
                 d.comm_steps[i].extend((step, count) for step in steps)
+
+    def unit_share(self, n: fx.Node) -> float:
+        """The parameter's share of its ZeRO unit's elements (``cost_model.blocks.unit_key``)."""
+        totals = _graph_memo(self.gm.graph, "unit_numel", lambda: _unit_numels(self.gm))
+        total = totals.get(unit_key(str(n.target)), 0)
+        return n.meta["val"].numel() / total if total else 1.0
 
     def algorithm_steps(self, n: fx.Node, st: Strategy, backward: bool = True) -> list[CommStep]:
         """The collectives of the registered technique the strategy runs (``autopar.techniques``);

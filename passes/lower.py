@@ -27,6 +27,7 @@ from autopar.cost_model.reshard import transitions
 from autopar.mesh import MeshSpec
 from autopar.runtime import collectives as C
 from autopar.runtime import fsdp as F
+from autopar.runtime.zero2 import zero2_gather_unit
 from autopar.runtime.mixed_precision import MixedPrecision, retarget_dtypes, to_compute_dtype
 from autopar.strategy import REPLICATE_CODE, PARTIAL_AVG_CODE, Layout, Replicate, Strategy
 from autopar.techniques import catalog  # noqa: F401 (imports every technique file, so each registers)
@@ -90,6 +91,7 @@ class _Lowering:
         self.followers = followers
         self.zero2, self.root = zero2, root
         self.gathered: dict[int, fx.Node] = {}  # ZeRO-2 parameter (by identity) -> its gathered weights
+        self.zero2_units = _zero2_units(gm, self.zero2, root)
         self.graph = fx.Graph()
         self.graph._codegen = gm.graph._codegen  # the user's call convention (read-only: shared, not copied)
         self.groups = _RuntimeRefs(self.graph, root, groups)  # get_attr nodes of the model's own groups
@@ -226,17 +228,36 @@ class _Lowering:
         return self.call(to_compute_dtype, value, self.mp.param_dtype)
 
     def do_get_attr(self, node: fx.Node) -> None:
-        # the cast comes first, so ZeRO-2/ZeRO-3 gathers and gradient reductions move bf16
-        self.env[node.name] = self.to_compute(self.graph.get_attr(node.target), node)
         if node.name in self.zero2:
             param = self.root.get_parameter(str(node.target))
             if id(param) not in self.gathered:  # tied weights: one gather, one reduce-scatter
-                shape = self.strategies[node.name].output.local_shape(self.mesh, node.meta["val"].shape)
-                axes = [self.groups[a] for a in sorted(self.zero2[node.name])]
-                self.gathered[id(param)] = self.call(C.zero2_gather, self.env[node.name], list(shape), axes)
+                self.gather_zero2(node)
+            elif not any(m.target == node.target for m in self.zero2_units.get(node.name, ())):
+                # a tied weight's other name: read once, unused, so the program keeps the attribute
+                self.graph.get_attr(node.target)
             self.env[node.name] = self.gathered[id(param)]
+        else:
+            # the cast comes first, so ZeRO-2/ZeRO-3 gathers and gradient reductions move bf16
+            self.env[node.name] = self.to_compute(self.graph.get_attr(node.target), node)
         if node.name in self.strategies:
             self.layouts[node.name] = self.strategies[node.name].outputs
+
+    def gather_zero2(self, node: fx.Node) -> None:
+        """The whole weights of ZeRO-2 parameter ``node``: with the other parameters of its unit
+        in one all-gather (``runtime/zero2.py``), or alone when it is split over several zero axes."""
+        members = [m for m in self.zero2_units.get(node.name, [node])
+                   if id(self.root.get_parameter(str(m.target))) not in self.gathered]
+        pieces = [self.to_compute(self.graph.get_attr(m.target), m) for m in members]
+        shapes = [tuple(self.strategies[m.name].output.local_shape(self.mesh, m.meta["val"].shape)) for m in members]
+        axes = [self.groups[a] for a in sorted(self.zero2[node.name])]
+        if len(axes) > 1:
+            (member,), (piece,), (shape,) = members, pieces, shapes
+            self.gathered[id(self.root.get_parameter(str(member.target)))] = self.call(
+                C.zero2_gather, piece, list(shape), axes)
+            return
+        unit = self.call(zero2_gather_unit, tuple(shapes), axes[0], *pieces)
+        for k, m in enumerate(members):
+            self.gathered[id(self.root.get_parameter(str(m.target)))] = self.call(operator.getitem, unit, k)
 
     def do_call_function(self, node: fx.Node) -> None:
         if node.target is operator.getitem:
@@ -290,6 +311,21 @@ def _made_floating(node: fx.Node, dtype: torch.dtype) -> bool:
     if not isinstance(val, torch.Tensor) or val.dtype != dtype:
         return False
     return not any(i.meta["val"].is_floating_point() for i in tensor_leaves(node.args, node.kwargs, _is_tensor_node))
+
+
+def _zero2_units(gm: fx.GraphModule, zero2: dict[str, tuple[int, ...]], root: torch.nn.Module
+                 ) -> dict[str, list[fx.Node]]:
+    """Per ZeRO-2 parameter node over one zero axis, the nodes of its unit (``runtime.fsdp.unit_key``
+    and the same axis) in graph order, each parameter once (tied weights: the first node)."""
+    units: dict[tuple, list[fx.Node]] = {}
+    seen: set[int] = set()
+    for n in gm.graph.nodes:
+        axes = zero2.get(n.name, ()) if n.op == "get_attr" else ()
+        if len(axes) != 1 or id(root.get_parameter(str(n.target))) in seen:
+            continue
+        seen.add(id(root.get_parameter(str(n.target))))
+        units.setdefault((F.unit_key(str(n.target)), axes), []).append(n)
+    return {m.name: members for members in units.values() for m in members}
 
 
 def _single_use_params(gm: fx.GraphModule, followers: set[str], zero2: dict) -> set[str]:

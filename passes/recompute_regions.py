@@ -28,6 +28,7 @@ from autopar.cost_model.blocks import attention_segment_of, block_of, split_reco
 from autopar.errors import AutoparError
 from autopar.runtime import collectives as C
 from autopar.runtime import fsdp as F
+from autopar.runtime.zero2 import zero2_gather_unit
 
 __all__ = ["CheckpointedBlock", "checkpoint_blocks", "RECOMPUTED_KEY"]
 
@@ -50,6 +51,11 @@ class CheckpointedBlock(torch.nn.Module):
             return checkpoint(self.inner, *args, use_reentrant=False)
 
 
+def _unit_member(n: fx.Node) -> bool:
+    """A ZeRO-2 unit gather's member (``operator.getitem`` of its result): a weight, outside."""
+    return n.target is operator.getitem and getattr(n.args[0], "target", None) is zero2_gather_unit
+
+
 def _owners(nodes: list[fx.Node], prefixes: frozenset[str]) -> list[tuple[str, int] | None]:
     """The recomputed region each node of the program belongs to, (entry, block index), or
     None. An entry is a run of blocks (``blocks``) or one segment of each (``blocks:attn``,
@@ -60,8 +66,8 @@ def _owners(nodes: list[fx.Node], prefixes: frozenset[str]) -> list[tuple[str, i
     nxt = None
     for i in range(len(nodes) - 1, -1, -1):
         n = nodes[i]
-        if n.op != "call_function" or n.target is C.zero2_gather:  # weights stay outside
-            continue
+        if n.op != "call_function" or n.target in (C.zero2_gather, zero2_gather_unit) or _unit_member(n):
+            continue  # weights stay outside
         if "nn_module_stack" in n.meta:
             b = block_of(n)
             nxt = None

@@ -50,6 +50,8 @@ import torch
 
 import torch.distributed as dist
 
+from autopar.cost_model.blocks import unit_key  # noqa: F401 (public here too: the lowering and tests read it)
+
 from .collectives import COUNTER, AxisGroup
 
 __all__ = ["FsdpState", "fsdp_gather", "regather_saved_weights", "unit_key"]
@@ -63,17 +65,6 @@ def _all_gather_single(*args, **kwargs):
 
 def _reduce_scatter_single(*args, **kwargs):
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
-
-
-def unit_key(target: str) -> str:
-    """The ZeRO-3 unit of the parameter at ``target``: its path up to the first numeric part
-    (a repeated block, ``blocks.3.attn.q_proj.weight`` -> ``blocks.3``), else its module
-    (``lm_head.weight`` -> ``lm_head``)."""
-    parts = target.split(".")
-    for k, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[:k + 1])
-    return ".".join(parts[:-1])
 
 
 class _Flat:

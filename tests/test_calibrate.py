@@ -64,7 +64,7 @@ def test_two_gloo_ranks_calibrate_a_profile_that_plans(tmp_path, capsys, report_
     hw = get_hardware(str(path))
     assert hw == cal.hardware and hw.devices_per_node == 2 and hw.efficiency == 1.0
     for field in ("peak_flops", "peak_flops_fp32", "memory_bandwidth_bytes_per_s", "memory_bytes",
-                  "kernel_overhead_s"):
+                  "kernel_overhead_s", "optimizer_params_per_s"):
         value = getattr(hw, field)
         assert math.isfinite(value) and value > 0, field
     # an all-reduce beside matmuls, measured on both ranks: the fraction hidden, in [0, 1]

@@ -242,3 +242,21 @@ def test_mesh_links_match_bruteforce() -> None:
             )
             expected.append(hw.intra_node if intra else hw.inter_node)
         assert hw.mesh_links(sizes) == tuple(expected), sizes
+
+
+def test_zero2_unit_pays_each_collective_latency_once() -> None:
+    # runtime/zero2.py gathers and reduce-scatters a unit's ZeRO-2 parameters in one collective
+    # each: priced per parameter, each pays its share of the unit's latency, bandwidth in full
+    from autopar.cost_model.problem import zero2_seconds, zero2_steps
+    from autopar.strategy import Layout
+
+    link = Link("gloo", 1e9, 1e-3)
+    mesh = MeshSpec(("dp",), (4,), (link,))
+    sizes = (1000, 3000, 6001)
+    steps = [zero2_steps(s, Layout.replicated(1), (0,), mesh, 4) for s in sizes]
+    assert [st.collective for st in steps[0]] == ["reduce_scatter", "all_gather"]
+    alone = sum(zero2_seconds(st, mesh, 1.0) for st in steps)
+    shared = sum(zero2_seconds(st, mesh, s / sum(sizes)) for st, s in zip(steps, sizes))
+    assert alone == pytest.approx(sum(collective_s(x.collective, x.nbytes, 4, link) for st in steps for x in st))
+    # two collectives of 3 ring steps each: once for the unit instead of once per parameter
+    assert alone - shared == pytest.approx(2 * 3 * link.latency_s * (len(sizes) - 1))

@@ -2,11 +2,13 @@
 priced in host memory, device and host bytes kept apart, the step priced on the host link and
 CPU. The run itself is checked in tests/test_recompute.py (the shared 4-rank launch)."""
 
+import dataclasses
+
 import pytest
 
 import autopar
 from autopar.cost_model.costs import TrainingSpec
-from autopar.cost_model.hardware import get_hardware
+from autopar.cost_model.hardware import HardwareError, get_hardware
 from autopar.cost_model.offload import param_option_cost
 from autopar.mesh import MeshSpec
 from autopar.models import get_model
@@ -25,6 +27,24 @@ def test_offload_moves_state_to_the_host_and_prices_the_link_and_cpu_step():
     # 2 x 2 bytes per parameter over the host link, and the host's AdamW over every element
     assert t_off == pytest.approx(4 * n / hw.host_link_bytes_per_s + n / hw.host_adam_params_per_s)
     assert t_off > t_dev
+
+
+def test_a_measured_adamw_rate_prices_the_device_step_else_one_stream_of_state():
+    # torch's per-tensor AdamW makes several passes: calibrate measures its rate; profiles
+    # without one price one stream of weights, gradients and moments at memory bandwidth
+    base = get_hardware("cpu")
+    mesh = MeshSpec(("dp",), (4,))
+    n = 4 * 10**6
+    fp32 = TrainingSpec("adamw", False, "none", False)
+    streamed, _, _ = param_option_cost(n, Layout.replicated(1), mesh, base, fp32)
+    assert base.optimizer_params_per_s == 0 and streamed == pytest.approx(16 * n / base.memory_bandwidth_bytes_per_s)
+    hw = dataclasses.replace(base, optimizer_params_per_s=5e7)
+    measured, _, _ = param_option_cost(n, Layout.replicated(1), mesh, hw, fp32)
+    assert measured == pytest.approx(n / 5e7)
+    zero2, _, _ = param_option_cost(n, Layout.replicated(1), mesh, hw, fp32, zero_axes=(0,))
+    assert zero2 == pytest.approx(n / 4 / 5e7)  # each rank steps its quarter
+    with pytest.raises(HardwareError, match="optimizer_params_per_s must be >= 0"):
+        dataclasses.replace(base, optimizer_params_per_s=-1.0)
 
 
 def test_offloaded_plan_reports_device_and_host_bytes_apart():

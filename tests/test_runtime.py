@@ -104,6 +104,17 @@ def assert_zero3_collectives_by_unit(r: dict) -> None:
         assert 0 < calls.get("reduce_scatter", 0) <= len(units), (step, calls, len(units))
 
 
+def assert_zero2_collectives_by_unit(r: dict) -> None:
+    """ZeRO-2 sends one flat reduce-scatter and one all-gather per unit (runtime/zero2.py), from
+    the first step on: not one of each per parameter. Counted by the independent spy; the
+    all-gathers may include the model's outputs made whole (hf-gpt2 returns its logits too)."""
+    units = {unit_key(k) for k in r["params"]}
+    assert len(units) < r["zero2_params"], (units, r["zero2_params"])  # else per parameter would pass
+    for step, calls in enumerate(r["calls"]):
+        assert 0 < calls.get("reduce_scatter", 0) <= len(units), (step, calls, len(units))
+        assert 0 < calls.get("all_gather", 0) <= len(units) + 2, (step, calls, len(units))
+
+
 CUTTING_FAMILIES = ("zero2", "zero3", "megatron", "megatron-dp", "2d", "2.5d", "3d", "megatron-sp")
 
 
@@ -151,6 +162,8 @@ def test_parallel_run_equals_single_process_and_bytes_match_plan(launched, world
     assert_runs_as_planned(r, family, world)
     if family == "zero3":
         assert_zero3_collectives_by_unit(r)
+    if family == "zero2":
+        assert_zero2_collectives_by_unit(r)
     if family == "auto":  # the planner's own plan must parallelize something, or the case tests nothing
         assert r["cut_params"] > 0 or sum(r["predicted"].values()) > 0, r["strategies"]
     report_line(f"runtime {world} ranks {case_key(case).replace('/None', '')}: mesh {r['mesh']}, bytes/step "
