@@ -38,7 +38,7 @@ from .grad_transients import backward_transient_bytes
 from .offload import device_parts
 from .recompute import chosen_recompute
 
-__all__ = ["StepMemory", "step_memory"]
+__all__ = ["StepMemory", "step_memory", "backward_transient_peaks"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,37 @@ def _walk(ops: list[tuple[int, float, float]], transients: list[tuple[int, float
     return best
 
 
+def _transients(problem, choice: dict[str, int], graph_nodes) -> list[tuple[object, float]]:
+    """(node, bytes of gradients in flight during its backward) of every priced op that has some."""
+    out = []
+    for n in graph_nodes:
+        if n.op == "call_function" and problem.rep_of.get(n.name) == n.name and problem.needs_grad.get(n.name) \
+                and (n.name in problem.decisions or n.name in problem.followers):
+            t = backward_transient_bytes(n, problem.strategy_of(n.name, choice), problem.mesh, problem.train,
+                                         problem.needs_grad)
+            if t:
+                out.append((n, t))
+    return out
+
+
+def backward_transient_peaks(problem, choice: dict[str, int]) -> tuple[float, float]:
+    """(the largest gradients in flight during one op's backward, the largest parameter
+    gradient on a device): what a pipeline stage holds besides its kept activations and state;
+    the second is the fresh gradient a micro-batch after the first makes before it is added
+    into ``.grad``."""
+    if not problem.decisions:
+        return 0.0, 0.0
+    graph_nodes = list(next(iter(problem.decisions.values())).node.graph.nodes)
+    ops = max((t for _, t in _transients(problem, choice, graph_nodes)), default=0.0)
+    grads = 0.0
+    for key, d in problem.decisions.items():
+        if d.is_param:
+            st, zero = d.options[choice[key]]
+            grads = max(grads, device_parts(d.node.meta["val"].numel(), st.output, problem.mesh, problem.train,
+                                            zero).grads)
+    return ops, grads
+
+
 def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -> StepMemory:
     """The step's peak device bytes under ``choice``; ``edge_bytes``: per edge index, the kept
     panel bytes ``evaluate`` counted (all copies)."""
@@ -130,14 +161,9 @@ def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -
     for idx, nbytes in edge_bytes.items():
         d = problem.decisions[problem.edges[idx].consumer]
         add(d.node, pos.get(d.node, 0), nbytes, 0.0, d.count)
-    for n in graph_nodes:  # gradients in flight while each op runs its backward (one block copy's ops)
-        if n.op == "call_function" and problem.rep_of.get(n.name) == n.name and problem.needs_grad.get(n.name) \
-                and (n.name in problem.decisions or n.name in problem.followers):
-            t = backward_transient_bytes(n, problem.strategy_of(n.name, choice), problem.mesh, problem.train,
-                                         problem.needs_grad)
-            b = block_of(n)
-            if t:
-                (runs[b[0]].transients if b is not None else pre_t if pos[n] < lo else head_t).append((pos[n], t))
+    for n, t in _transients(problem, choice, graph_nodes):  # gradients in flight, one block copy's ops
+        b = block_of(n)
+        (runs[b[0]].transients if b is not None else pre_t if pos[n] < lo else head_t).append((pos[n], t))
     chosen = set(chosen_recompute(problem, choice))
     for term in getattr(problem, "recompute", ()):
         if term.prefix not in chosen:
