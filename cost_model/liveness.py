@@ -19,8 +19,10 @@ at the granularity of repeated blocks (``cost_model.blocks``) and returns the la
   largest is at the first or the last copy;
 * the optimizer step: ``P +`` every gradient.
 
-Activations follow ``costs.activation_bytes`` (what autograd saves). Not modelled: transient
-tensors (gradients of activations in flight, an op's workspace), which last one op each; the
+Activations follow ``costs.activation_bytes`` (what autograd saves). While an op's backward
+runs, the gradient of its output and those it makes for its inputs are alive besides
+(``grad_transients``): each walk point adds them at that op (the head's cross-entropy holds
+three logits-sized tensors there). Not modelled: an op's own workspace; the
 optimizer's own temporaries (the runtime's AdamW is torch's fused kernel, which makes none:
 ``runtime/offload.make_optimizer``). A run of blocks whose copies interleave with another
 run's (an encoder-decoder) is walked run after run, in the order their first ops appear.
@@ -32,10 +34,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .blocks import block_of, split_recompute_entry
+from .grad_transients import backward_transient_bytes
 from .offload import device_parts
 from .recompute import chosen_recompute
 
-__all__ = ["StepMemory", "step_memory"]
+__all__ = ["StepMemory", "step_memory", "backward_transient_peaks"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class _Run:
     count: int = 1
     recomputed: float = 0.0  # activations a recompute frees after the forward (per copy)
     ops: list[tuple[int, float, float]] = field(default_factory=list)  # (position, activation, gradient) per copy
+    transients: list[tuple[int, float]] = field(default_factory=list)  # (position, gradients in flight) per copy
     first: int = 0  # graph position of its first op
 
     @property
@@ -64,19 +68,57 @@ class _Run:
         return sum(g for _, _, g in self.ops)
 
 
-def _walk(ops: list[tuple[int, float, float]]) -> float:
+def _walk(ops: list[tuple[int, float, float]], transients: list[tuple[int, float]] = ()) -> float:
     """Largest ``activations not yet freed + gradients made`` while backward runs through
     ``ops`` (last to first): op k's activation is freed by its backward, which makes its
-    parameters' gradients."""
+    parameters' gradients; ``transients`` (position, bytes): the gradients in flight while
+    the op at that position runs its backward (its own activations still alive)."""
     ops = sorted(ops)
+    pending = sorted(transients, reverse=True)
     acts = sum(a for _, a, _ in ops)
     grads = 0.0
     best = acts
-    for _, a, g in reversed(ops):
+    k = 0
+    for at, a, g in reversed(ops):
+        while k < len(pending) and pending[k][0] >= at:
+            best = max(best, acts + grads + pending[k][1])
+            k += 1
         grads += g
         best = max(best, acts + grads)
         acts -= a
-    return max(best, grads)
+    best = max([best, grads] + [acts + grads + t for _, t in pending[k:]])
+    return best
+
+
+def _transients(problem, choice: dict[str, int], graph_nodes) -> list[tuple[object, float]]:
+    """(node, bytes of gradients in flight during its backward) of every priced op that has some."""
+    out = []
+    for n in graph_nodes:
+        if n.op == "call_function" and problem.rep_of.get(n.name) == n.name and problem.needs_grad.get(n.name) \
+                and (n.name in problem.decisions or n.name in problem.followers):
+            t = backward_transient_bytes(n, problem.strategy_of(n.name, choice), problem.mesh, problem.train,
+                                         problem.needs_grad)
+            if t:
+                out.append((n, t))
+    return out
+
+
+def backward_transient_peaks(problem, choice: dict[str, int]) -> tuple[float, float]:
+    """(the largest gradients in flight during one op's backward, the largest parameter
+    gradient on a device): what a pipeline stage holds besides its kept activations and state;
+    the second is the fresh gradient a micro-batch after the first makes before it is added
+    into ``.grad``."""
+    if not problem.decisions:
+        return 0.0, 0.0
+    graph_nodes = list(next(iter(problem.decisions.values())).node.graph.nodes)
+    ops = max((t for _, t in _transients(problem, choice, graph_nodes)), default=0.0)
+    grads = 0.0
+    for key, d in problem.decisions.items():
+        if d.is_param:
+            st, zero = d.options[choice[key]]
+            grads = max(grads, device_parts(d.node.meta["val"].numel(), st.output, problem.mesh, problem.train,
+                                            zero).grads)
+    return ops, grads
 
 
 def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -> StepMemory:
@@ -89,6 +131,8 @@ def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -
     runs: dict[str, _Run] = defaultdict(_Run)
     pre: list[tuple[int, float, float]] = []
     head: list[tuple[int, float, float]] = []
+    pre_t: list[tuple[int, float]] = []
+    head_t: list[tuple[int, float]] = []
     persistent = bucket = 0.0
 
     def add(node, at: int, act: float, grad: float, copies: int) -> None:
@@ -117,6 +161,9 @@ def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -
     for idx, nbytes in edge_bytes.items():
         d = problem.decisions[problem.edges[idx].consumer]
         add(d.node, pos.get(d.node, 0), nbytes, 0.0, d.count)
+    for n, t in _transients(problem, choice, graph_nodes):  # gradients in flight, one block copy's ops
+        b = block_of(n)
+        (runs[b[0]].transients if b is not None else pre_t if pos[n] < lo else head_t).append((pos[n], t))
     chosen = set(chosen_recompute(problem, choice))
     for term in getattr(problem, "recompute", ()):
         if term.prefix not in chosen:
@@ -133,18 +180,18 @@ def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -
     kept_blocks = sum(r.count * (r.full - r.recomputed) for r in ordered)
     g_head, g_pre = sum(g for _, _, g in head), sum(g for _, _, g in pre)
     grads = g_pre + g_head + sum(r.count * r.grads for r in ordered)
-    points = [(persistent + pre_acts + kept_blocks + _walk(head), "head backward")]
+    points = [(persistent + pre_acts + kept_blocks + _walk(head, head_t), "head backward")]
     earlier = kept_blocks
     later_grads = g_head
     for r in reversed(ordered):
         keep = r.full - r.recomputed
         earlier -= r.count * keep
-        inner = _walk(r.ops)  # the copy being walked holds all of its activations (kept or recomputed)
+        inner = _walk(r.ops, r.transients)  # the copy being walked holds all of its activations (kept or recomputed)
         for j in {r.count - 1, 0}:
             points.append((persistent + pre_acts + earlier + j * keep + later_grads + (r.count - 1 - j) * r.grads
                            + inner, "block backward"))
         later_grads += r.count * r.grads
-    points.append((persistent + later_grads + _walk(pre), "embedding backward"))
+    points.append((persistent + later_grads + _walk(pre, pre_t), "embedding backward"))
     points.append((persistent + grads, "optimizer step"))
     peak, phase = max(points, key=lambda p: p[0])
     return StepMemory(peak, phase, persistent, bucket, grads, pre_acts + kept_blocks + sum(a for _, a, _ in head))
