@@ -38,6 +38,9 @@ class Solved:
     # MIP dual bounds, min over meshes); NaN until the mesh search sets it
     search_bound: float = math.nan
     tight_elsewhere: bool = False  # some mesh the search bounded may be limited by memory
+    # meshes the solver could not bound (a status such as 'Solve error'): the search is not exact
+    # over them, so the plan reports no lower bound (NaN), never one that may not hold
+    unbounded: tuple[str, ...] = ()
 
 
 def prepare_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: TrainingSpec, pin: Pin | None,
@@ -98,10 +101,11 @@ class Bound:
 
 
 def mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: bool = False
-            ) -> tuple[list[Bound], float, str]:
+            ) -> tuple[list[Bound], float, str, tuple[str, ...]]:
     """LP bounds of the meshes ``items`` ((index, (mesh, pin)) pairs), the least memory any
-    infeasible one needs, and why a mesh could not follow its pinned family ("" if none)."""
-    out, need, pin_error = [], math.inf, ""
+    infeasible one needs, why a mesh could not follow its pinned family ("" if none), and the
+    meshes the solver failed on (no bound: each is skipped alone, never the rest of the search)."""
+    out, need, pin_error, failed = [], math.inf, "", []
     for index, (mesh, pin) in items:
         try:
             problem = prepare_problem(gm, mesh, hw, train, pin, zero2)
@@ -114,11 +118,15 @@ def mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: boo
         except InfeasibleBudgetError as exc:
             need = min(need, exc.need_bytes)
             continue
+        except AutoparError as exc:  # e.g. HiGHS's 'Solve error' on a huge mesh: this mesh only
+            progress(f"mesh {mesh}: no LP bound ({exc})")
+            failed.append(str(mesh))
+            continue
         tight = evaluate(problem, lp.choice).peak_memory_bytes > 0.9 * budget if budget is not None else False
         out.append(Bound(index, lp.objective_s, lp.integral, problem, lp, tight))
         progress(f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars"
                             f"{', integral' if lp.integral else ''})")
-    return out, need, pin_error
+    return out, need, pin_error, tuple(failed)
 
 
 def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_ilps: int = 3,
@@ -129,13 +137,15 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
     parameters' ZeRO-2 options, see ``search_with_zero2``)."""
     remote = helper.indices if helper is not None else frozenset()
     items = [(i, mp) for i, mp in enumerate(meshes_and_pins) if i not in remote]
-    bounded, infeasible_need, pin_error = mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2)
+    bounded, infeasible_need, pin_error, failed = mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress,
+                                                              zero2)
     if helper is not None:
-        more, need, helper_pin_error = helper.bounds()
+        more, need, helper_pin_error, helper_failed = helper.bounds()
         bounded += more
         infeasible_need = min(infeasible_need, need)
         pin_error = pin_error or helper_pin_error
-    if not bounded and pin_error and not math.isfinite(infeasible_need):
+        failed += helper_failed
+    if not bounded and pin_error and not math.isfinite(infeasible_need) and not failed:
         raise PinError(pin_error)
     bounded.sort(key=lambda b: (b.objective, b.index))
     best: Solved | None = None
@@ -183,6 +193,12 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
             best = s
     if unsolved:
         note += f"; no plan within the time limit on {', '.join(unsolved)} (their LP bounds count)"
+    if failed:
+        note = note.replace("exact over meshes", "searched meshes", 1)
+        note += f"; the solver failed on {', '.join(failed)} (no bound there: the plan's gap is unknown)"
+    if best is None and failed and not math.isfinite(infeasible_need):
+        raise AutoparError(f"the ILP solver failed on every mesh it could bound ({', '.join(failed)}) and no "
+                           "other mesh was planned; pin a mesh (mesh='dp=..,tp=..') or raise the time limit")
     if best is None and math.isfinite(infeasible_need):
         raise InfeasibleBudgetError(
             f"no plan fits the memory budget of {format_bytes(budget)} per device: the smallest any plan needs "
@@ -190,6 +206,7 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
             f"or shrink the batch or sequence", infeasible_need)
     if best is not None:
         best.search_bound = min(bound, best.prediction.step_seconds)
+        best.unbounded = failed
         best.tight_elsewhere = math.isfinite(infeasible_need) or any(b.tight for b in bounded)
     return best, solved, note
 
@@ -204,18 +221,27 @@ def rounded_lp(mesh, problem, lp: SolveResult, budget) -> "Solved | None":
     return Solved(mesh, problem, result, pred)
 
 
-def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress, helper):
+def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress, helper, skip_first: bool = False):
     """The mesh search without ZeRO-2 options (nor recompute, under ``recompute="auto"``), then,
     where memory is tight (no plan fits, or the best one uses over 90% of the budget), again
-    with them; the faster plan wins, so they never make a plan slower."""
+    with them; the faster plan wins, so they never make a plan slower. The second pass's options
+    include the first's, so the first only saves time: ``skip_first`` (the planner's guess that
+    nothing fits without them) goes to the second at once, and a wrong guess costs time, never
+    a plan."""
     def run(zero2: bool, helper, meshes):
         spec = train if zero2 or train.recompute != "auto" else dataclasses.replace(train, recompute="none")
         return search_meshes(gm, meshes, hw, spec, budget, time_limit_s, progress, helper=helper, zero2=zero2)
 
     error = None
+    if skip_first:
+        progress("memory is tight on every mesh (the forward's outputs over the devices exceed the budget): "
+                 "searching with ZeRO-2 and recompute options at once")
+        return run(True, None, candidates)
     try:
         best, n_solved, note = run(False, helper, candidates)
-    except InfeasibleBudgetError as exc:
+    except PinError:
+        raise
+    except AutoparError as exc:  # nothing fits, or the solver failed on every mesh: the second pass may plan
         best, n_solved, note, error = None, 0, "", exc
     if best is not None and best.prediction.peak_memory_bytes <= 0.9 * budget and not best.tight_elsewhere:
         # Memory is not tight on any mesh. ZeRO-2 could still shorten the optimizer step a little;
@@ -231,15 +257,20 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
                         "state)" + (" and activation recompute" if train.recompute == "auto" else ""))
     try:
         again, n_again, note_again = run(True, None, candidates)
-    except InfeasibleBudgetError:
+    except PinError:
+        raise
+    except AutoparError:
         if best is None:
             raise error
         return best, n_solved, note
     if again is None:
         return best, n_solved + n_again, note
     if best is None or again.prediction.step_seconds < best.prediction.step_seconds:
+        if best is not None:
+            again.unbounded += best.unbounded
         return again, n_solved + n_again, note_again + " (with ZeRO-2 and recompute options)"
     best.search_bound = min(best.search_bound, again.search_bound)
+    best.unbounded += again.unbounded
     return best, n_solved + n_again, note + " (bounds with ZeRO-2 and recompute options)"
 
 
@@ -253,6 +284,8 @@ def search_quiet(gm, meshes_and_pins, hw, train, budget, time_limit_s):
 def plan_bound(best: Solved) -> float:
     """The plan's reported lower bound: over every mesh the search covered (``search_bound``),
     or, for a single solve, the ILP's own dual bound."""
+    if best.unbounded:  # some mesh has no bound (module doc of Solved.unbounded)
+        return math.nan
     r = best.result
     own = r.lower_bound_s if r.lower_bound_s == r.lower_bound_s else math.nan
     bound = (min(best.search_bound, own) if own == own else best.search_bound) \

@@ -155,11 +155,17 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     # recompute="auto" enters the search where memory is tight, as ZeRO-2 does (search_with_zero2):
     # the helper's bounds and the baselines are searched without it
     first_train = dataclasses.replace(train, recompute="none") if train.recompute == "auto" else train
-    helper = (_Helper(gm, candidates, hw, first_train, budget, time_limit_s, say, n_gpus, with_baselines)
-              if with_baselines or len(candidates) > 1 else None)
+    # the first pass (no ZeRO-2, no recompute) is skipped where it cannot fit on any mesh: then
+    # the helper only prices the baselines (GPT-3 175B at batch 1536 on 1024: 46 meshes saved)
+    skip_first = len(candidates) > 1 and _forward_bytes(gm, train) / n_gpus > budget
+    helper = (_Helper(gm, [] if skip_first else candidates, hw, first_train, budget, time_limit_s, say, n_gpus,
+                      with_baselines) if with_baselines or (len(candidates) > 1 and not skip_first) else None)
     try:
         best, n_solved, search_note = search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, say,
-                                                         helper)
+                                                         helper, skip_first)
+        if best is None:  # every ILP stopped at its time limit without a plan
+            raise AutoparError(f"no mesh could be planned for {n_gpus} devices within the time limit "
+                               f"({time_limit_s:.0f} s); raise time_limit_s or pin a mesh")
     except AutoparError:  # nothing fits (or the solver gave up): pipeline stages may still fit
         if helper is not None:
             helper.close()
@@ -174,8 +180,6 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
         if helper is not None:
             helper.close()
         raise
-    if best is None:
-        raise AutoparError(f"no mesh could be planned for {n_gpus} devices")
 
     if with_baselines:
         baseline_results = helper.baselines()
@@ -196,6 +200,21 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
         result = pipeline_if_faster(gm, result, n_gpus, hw, train, budget, result.model, t0, plan, micro_graph,
                                     tuple(baseline_results), say)
     return result
+
+
+def _forward_bytes(gm: fx.GraphModule, train: TrainingSpec) -> float:
+    """Bytes of every forward op's tensor outputs (views too), the whole batch: a quick guess of
+    the activations a step without recompute keeps. Over n devices above the budget, the first
+    pass is skipped; a wrong guess costs time only (``mesh_search.search_with_zero2``)."""
+    total = 0.0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for v in (node.meta.get("val"),) if not isinstance(node.meta.get("val"), (tuple, list)) else node.meta["val"]:
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * (train.activation_bytes_per_elem if v.dtype.is_floating_point
+                                      else v.element_size())
+    return total
 
 
 _BASELINE_FAMILIES = tuple(f.name for f in registered_families() if f.baseline)
@@ -225,18 +244,27 @@ _FORKED: tuple | None = None
 
 def _helper_work(with_baselines: bool) -> tuple[list[Bound], float, str, list[BaselineResult]]:
     gm, items, hw, train, budget, time_limit_s, progress, n_gpus = _FORKED
-    bounds, need, pin_error = mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress)
+    bounds, need, pin_error, failed = mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress)
     bounds = [Bound(b.index, b.objective, b.integral, tight=b.tight) for b in bounds]  # the problems stay here
     baselines = _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) if with_baselines else []
-    return bounds, need, pin_error, baselines
+    return bounds, need, pin_error, failed, baselines
+
+
+def _threads() -> int:
+    """This process's threads, native ones included (Linux: /proc); 0 where that cannot be read."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def _fork_is_safe() -> bool:
-    """Fork only a plain process: under torch.distributed (parallelize plans on rank 0) the
-    process runs communication threads whose locks a forked child would inherit held."""
-    import torch.distributed as dist
-
-    return hasattr(os, "fork") and not (dist.is_available() and dist.is_initialized())
+    """Fork only a single-threaded process, the one case where POSIX fork is safe: a thread of
+    the parent (torch.distributed's communication threads when parallelize plans on rank 0,
+    pytest-xdist's execnet threads) may hold a lock, e.g. the allocator's, that the child then
+    inherits held; the child then crashed in garbage collection. Elsewhere the helper's share
+    runs inline (on two cores the helper saves about a fifth of gpt2's plan: README)."""
+    return hasattr(os, "fork") and _threads() == 1
 
 
 class _Helper:
@@ -286,7 +314,7 @@ class _Helper:
             return
         if self.pool is not None:
             try:  # a child that dies raises BrokenProcessPool here, never hangs
-                self._bounds, self._need, self._pin_error, self._baselines = self.future.result()
+                self._bounds, self._need, self._pin_error, self._failed, self._baselines = self.future.result()
                 return
             except Exception:  # a failed child: do its share here instead
                 pass
@@ -294,7 +322,8 @@ class _Helper:
                 self.close()
         gm, hw, train, budget, time_limit_s, n_gpus = self.args
         items = [(i, self.meshes_and_pins[i]) for i in sorted(self.indices)]
-        self._bounds, self._need, self._pin_error = mesh_bounds(gm, items, hw, train, budget, time_limit_s, QUIET)
+        self._bounds, self._need, self._pin_error, self._failed = mesh_bounds(gm, items, hw, train, budget,
+                                                                              time_limit_s, QUIET)
         self._baselines = (_price_baselines(gm, n_gpus, hw, train, budget, time_limit_s)
                            if self.with_baselines else [])
 
@@ -306,9 +335,9 @@ class _Helper:
                 proc.terminate()  # a search that failed here need not wait for the child
             self.pool = None
 
-    def bounds(self) -> tuple[list[Bound], float, str]:
+    def bounds(self) -> tuple[list[Bound], float, str, tuple[str, ...]]:
         self._collect()
-        return list(self._bounds), self._need, self._pin_error
+        return list(self._bounds), self._need, self._pin_error, self._failed
 
     def baselines(self) -> list[BaselineResult]:
         self._collect()

@@ -3,7 +3,8 @@
     python bench/planner.py            # gpt2 on 8, gpt2-xl on 64, gpt3-175b on 1024 (a100-80gb)
     python bench/planner.py --quick    # gpt2 on 8 only
 
-Targets (issue 19 item 4): gpt2/8 < 5 s, gpt2-xl/64 < 10 s, gpt3-175b/1024 at batch 1536 < 30 s.
+Targets (issue 19 item 4), for the end-to-end CLI (``cli`` below; "met" judges it): gpt2/8 < 5 s,
+gpt2-xl/64 < 10 s, gpt3-175b/1024 at batch 1536 < 30 s.
 
 Three figures per case, because on this 2-core machine Python's imports alone take seconds:
 
@@ -75,9 +76,13 @@ def main() -> None:
                          best_baseline=best_baseline.name if best_baseline else None,
                          speedup_vs_best_baseline=(best_baseline.step_seconds / p.step_seconds) if best_baseline else None))
         r = rows[-1]
+        # the target is the end-to-end CLI (issue 19 item 4); without CLI runs, the in-process
+        # first plan is all there is to judge, and the line says so
+        judged, what = (seconds, "in-process plan, no CLI run") if cli_s is None else (cli_s, "cli")
+        r["met"] = judged < target
         cli = "" if cli_s is None else f", cli {cli_s:.1f} s"
         print(f"{name:10s} {n:5d} devices  plan {seconds:5.1f} s first, {warm:5.1f} s second{cli} (target "
-              f"{target:.0f} s: {'met' if seconds < target else 'MISSED'})  mesh {r['mesh']:20s} "
+              f"{target:.0f} s for the {what}: {'met' if r['met'] else 'MISSED'})  mesh {r['mesh']:20s} "
               f"ILP {r['ilp_variables']:,} vars x {r['ilps']}  gap {r['gap'] * 100:.2f}%  step {r['step_ms']:.1f} ms"
               f"  vs best baseline ({r['best_baseline']}) {r['speedup_vs_best_baseline'] or float('nan'):.2f}x",
               flush=True)

@@ -336,6 +336,13 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     ``relax=True`` solves the LP relaxation only: its objective bounds every plan from below,
     and when its solution is integral (``result.integral``) it is the ILP's optimum."""
     t0 = time.perf_counter()
+    if memory_budget_bytes is not None and (need := min_memory_bytes(problem)) > memory_budget_bytes:
+        # Every plan needs at least the least-memory option of each decision: infeasible without
+        # asking HiGHS, which on huge meshes (GPT-3 175B on m0=1024) stopped with 'Solve error'.
+        raise InfeasibleBudgetError(
+            f"no plan fits the memory budget of {format_bytes(memory_budget_bytes)} per device: the smallest "
+            f"any plan needs is {format_bytes(need)}; raise the budget to at least that, use more devices, or "
+            f"shrink the batch or sequence", need)
     m = _Model()
     x = _add_decisions(m, problem)
     edge_cols: dict = {}

@@ -88,10 +88,13 @@ def test_pp_pins_and_round_trips():
 @pytest.mark.slow
 def test_gpt3_on_1024_gpus_pipelines(report_line):
     # GPT-3 175B at its published batch (1536 x 2048 tokens) on 128 nodes of 8 A100-80GB:
-    # without stages the activations do not fit; the planner finds stages on its own
+    # without stages and without recompute the activations do not fit on any mesh; the planner
+    # finds stages on its own. (With recompute="auto" a plan without stages fits and is predicted
+    # faster, m0=8,m1=16,m2=8 at 27.6 s vs 39.4 s for the best pipeline: a HiGHS 'Solve error' on
+    # m0=1024 used to hide every mesh; README, planner speed.)
     model, inputs = get_model("gpt3-175b", batch_size=1536, device="meta")
     t0 = time.perf_counter()
-    p = autopar.plan(model, 1024, inputs, baselines=False)
+    p = autopar.plan(model, 1024, inputs, baselines=False, recompute="none")
     seconds = time.perf_counter() - t0
     assert p.pipeline is not None and p.mesh.axes[0] == "pp" and p.pipeline.n_stages >= 2
     assert p.peak_memory_bytes_per_device <= p.memory_budget_bytes

@@ -84,3 +84,52 @@ def test_plan_matches_brute_force_over_meshes(seed):
     # a budget that binds on some meshes but not all: a fraction of the fastest plan's memory
     _check_against_brute_force(gm, (None, rng.uniform(0.3, 0.8)), roomy, seed)
 
+
+
+def test_a_solver_failure_on_one_mesh_skips_that_mesh_only(monkeypatch):
+    # GPT-3 175B on 1024 A100s: HiGHS stopped with 'Solve error' on m0=1024, and the AutoparError
+    # left the whole mesh search (and its ZeRO-2 / recompute pass) for the pipeline search. Here
+    # the solver fails on the 1-axis mesh alone: the other meshes are still planned, and the plan
+    # reports no lower bound (a mesh was never bounded), never one that may not hold.
+    import autopar.mesh_search as mesh_search
+    from autopar.errors import AutoparError
+
+    model, inputs = mlp(MLPConfig(in_features=256, hidden=1024, out_features=8, depth=2), batch_size=64,
+                        device="meta")
+    gm = trace(model, inputs, stack_traces=False)
+    real_solve = mesh_search.solve
+
+    def solve_failing_on_1d(problem, budget=None, **kw):  # in the forked helper too, if it bounds m0=8
+        if problem.mesh.ndim == 1:
+            raise AutoparError("the ILP solver stopped with status 'Solve error' before finding any plan")
+        return real_solve(problem, budget, **kw)
+
+    monkeypatch.setattr(mesh_search, "solve", solve_failing_on_1d)
+    for budget in (None, 0.6 * plan(gm, N, baselines=False, pipeline=False).peak_memory_bytes_per_device):
+        got = plan(gm, N, memory_budget_bytes=budget, baselines=False, pipeline=False)
+        assert got.mesh.ndim > 1, (budget, str(got.mesh))
+        assert "the solver failed on m0=8" in got.solver.mesh_search and "exact" not in got.solver.mesh_search
+        assert math.isnan(got.solver.lower_bound) and math.isnan(got.solver.gap), got.solver
+
+
+def test_a_budget_under_every_plans_least_memory_never_reaches_the_solver(monkeypatch):
+    # the precheck that keeps HiGHS from huge hopeless meshes: the least memory of every decision
+    # over the budget is infeasible at once, with that least memory as the need
+    import autopar.cost_model.ilp as ilp
+
+    model, inputs = mlp(MLPConfig(in_features=256, hidden=1024, out_features=8, depth=2), batch_size=64,
+                        device="meta")
+    gm = trace(model, inputs, stack_traces=False)
+    mesh, pin = auto_candidates(N, HW)[0]
+    annotate(gm, mesh)
+    problem = build_problem(gm, mesh, HW, TRAIN, pin, zero2=True)
+    need = ilp.min_memory_bytes(problem)
+
+    def no_solver(*a, **kw):
+        raise AssertionError("HiGHS was asked although no plan can fit")
+
+    monkeypatch.setattr(ilp, "_solve_highs", no_solver)
+    monkeypatch.setattr(ilp, "_solve_cbc", no_solver)
+    with pytest.raises(InfeasibleBudgetError, match="smallest any plan needs") as err:
+        solve(problem, need * 0.99)
+    assert err.value.need_bytes == pytest.approx(need)
