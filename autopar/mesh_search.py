@@ -54,7 +54,21 @@ def prepare_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: Tra
 
 def solve_mesh(problem: Problem, budget: float | None, time_limit_s: float) -> Solved:
     result = solve(problem, budget, time_limit_s=time_limit_s)
-    return Solved(problem.mesh, problem, result, evaluate(problem, result.choice))
+    pred = evaluate(problem, result.choice)
+    # The ILP's memory row is the sum of what a plan keeps; the walked peak also holds one op's
+    # gradients in flight (cost_model/grad_transients.py), a max the linear row cannot carry.
+    # Where the walk goes over the budget, tighten the row by the excess and solve again.
+    row = budget
+    for _ in range(2):
+        if budget is None or pred.peak_memory_bytes <= budget:
+            break
+        row -= pred.peak_memory_bytes - budget
+        try:
+            result = solve(problem, row, time_limit_s=time_limit_s)
+        except InfeasibleBudgetError:
+            break  # nothing fits the tighter row: keep the plan the budget's row allowed
+        pred = evaluate(problem, result.choice)
+    return Solved(problem.mesh, problem, result, pred)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from autopar.cost_model.comm import collective_s, p2p_s
 from autopar.cost_model.costs import TrainingSpec
 from autopar.cost_model.evaluate import shared_reshards
 from autopar.cost_model.fsdp_pricing import fsdp_fusions
+from autopar.cost_model.liveness import backward_transient_peaks
 from autopar.mesh import Link, MeshSpec
 from autopar.passes.split_stages import block_container, block_count, split_stages
 from autopar.trace import graph_fingerprint
@@ -152,6 +153,9 @@ class _SubMesh:
     block_rc: _Part | None = None  # one block recomputed: keeps its input only (cost_model/recompute.py)
     transient_bytes: float = 0.0  # one recomputed block's activations, alive during its backward
     tied_bytes: float = 0.0  # gradients of weights tied between the first and last piece
+    # per piece (embed, block, head): (gradients in flight in one op's backward, whole batch;
+    # the largest parameter gradient): cost_model/liveness.backward_transient_peaks
+    grad_transients: tuple = ((0.0, 0.0),) * 3
 
 
 def _price_submesh(pieces, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: TrainingSpec,
@@ -174,7 +178,9 @@ def _price_submesh(pieces, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: T
         rc_part = _split_costs(rc_problem, rc_choice)
         block_rc = (rc_part - _Part(act_bytes=transient)).scale(1.0 / (n_blocks - 2))
     tied = sum(_weight_bytes(pieces[0], target) for target, stages in pieces.tied.items() if 2 in stages)
-    return _SubMesh(mesh, first - block, block, last - block, send, grad, batch, nodes, block_rc, transient, tied)
+    grad_t = tuple(backward_transient_peaks(p.problem, p.choice) for p in plans)
+    return _SubMesh(mesh, first - block, block, last - block, send, grad, batch, nodes, block_rc, transient, tied,
+                    grad_t)
 
 
 def _weight_bytes(gm: fx.GraphModule, target: str) -> float:
@@ -203,11 +209,19 @@ def _stage_part(sub: _SubMesh, n: int, first: bool, last: bool, rc: bool = False
     return part
 
 
+def _grad_transient(sub: _SubMesh, m: int, last: bool, first: bool) -> float:
+    """Gradients in flight in a stage's busiest op backward (one micro-batch), or the fresh
+    gradient of its largest parameter that micro-batches after the first add into ``.grad``."""
+    pieces = [sub.grad_transients[1]] + ([sub.grad_transients[0]] if first else []) + \
+        ([sub.grad_transients[2]] if last else [])
+    return max(max(ops / m, grads if m > 1 else 0.0) for ops, grads in pieces)
+
+
 def _stage_cost(part: _Part, m: int, sub: _SubMesh, last: bool, first: bool, rc: bool = False) -> StageCost:
     return StageCost(seconds=part.batch_seconds / m + part.use_seconds, param_state_bytes=part.param_bytes,
                      activation_bytes=part.act_bytes / m, send_bytes=0.0 if last else sub.send_bytes / m,
                      send_grad_bytes=0.0 if first else sub.grad_bytes / m,
-                     transient_bytes=sub.transient_bytes / m if rc else 0.0)
+                     transient_bytes=(sub.transient_bytes / m if rc else 0.0) + _grad_transient(sub, m, last, first))
 
 
 def _balance(sub: _SubMesh, p: int, m: int, schedule: str, n_blocks: int, budget: float, rc: bool = False
@@ -223,7 +237,7 @@ def _balance(sub: _SubMesh, p: int, m: int, schedule: str, n_blocks: int, budget
         lo = 0
         for n in range(1, n_blocks - p + 2):
             part = _stage_part(sub, n, k == 0, k == p - 1, rc)
-            transient = sub.transient_bytes / m if rc else 0.0
+            transient = (sub.transient_bytes / m if rc else 0.0) + _grad_transient(sub, m, k == p - 1, k == 0)
             if part.param_bytes + flight * part.act_bytes / m + transient > budget:
                 break
             lo = n
