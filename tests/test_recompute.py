@@ -29,7 +29,7 @@ MEGATRON = {"strategy": "megatron-dp"}
 # recompute, and the planner recomputes whole blocks
 LONGSEQ_AUTO = {"mesh": "dp=4", "memory_budget_bytes": 2.8e6, "pipeline": False}
 # at 3.5 MB the planner's cheapest way to fit is recomputing each block's attention only: the
-# walked peak of that plan is 3.47 MB (the recomputed attention's gradients in flight during its
+# walked peak of such plans is 3.4-3.5 MB (the recomputed attention's gradients in flight during its
 # backward, cost_model/grad_transients.py), no recompute needs 3.54 MB
 LONGSEQ_SELECTIVE = dict(LONGSEQ_AUTO, memory_budget_bytes=3.5e6)
 CASES = [("gpt-tiny", dict(MEGATRON, recompute="full")), ("gpt-tiny", dict(MEGATRON, recompute="none")),
