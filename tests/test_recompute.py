@@ -101,6 +101,26 @@ def test_a_plan_whose_walk_exceeds_the_budget_is_never_returned():
     assert auto.recompute == ("blocks",) and auto.peak_memory_bytes_per_device <= 3.1e6
 
 
+def test_a_re_solve_stopped_by_the_clock_is_not_a_plan(monkeypatch):
+    # the re-solve's answer counts only if it reached its optimum: one stopped by the wall clock
+    # depends on the machine's load (the ranks and the test process planned apart)
+    import dataclasses
+
+    from autopar import mesh_search
+    from autopar.cost_model.ilp import InfeasibleBudgetError, solve
+
+    problem = _plan("gpt-longseq", **dict(LONGSEQ_AUTO, memory_budget_bytes=3.1e6)).problem  # recompute options in
+    budget = 3.1e6
+    first = solve(problem, budget)
+    assert mesh_search.evaluate(problem, first.choice).peak_memory_bytes > budget  # the walk is over the row's plan
+    fit = mesh_search.solve_mesh(problem, budget, 60.0, first=first)
+    assert fit.prediction.peak_memory_bytes <= budget
+    monkeypatch.setattr(mesh_search, "solve", lambda *a, **k: dataclasses.replace(solve(*a, **k),
+                                                                                   status="Time limit reached"))
+    with pytest.raises(InfeasibleBudgetError, match="gradients in flight"):
+        mesh_search.solve_mesh(problem, budget, 60.0, first=first)
+
+
 @pytest.mark.slow
 def test_auto_selective_run_recomputes_the_attention(results):
     r = results[case_key(("gpt-longseq", LONGSEQ_SELECTIVE))]
