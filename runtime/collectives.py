@@ -269,7 +269,14 @@ def zero2_shard(local: torch.Tensor, groups: "list[AxisGroup]") -> torch.Tensor:
     index = 0
     for g in groups:
         index = index * g.size + g.rank
-    return _flat_padded(local, groups).chunk(math.prod(g.size for g in groups))[index].clone()
+    # this rank's chunk of the flat padded tensor, copied out without padding the whole (a
+    # whole padded copy was one more tensor of its size alive while a model loads)
+    flat = local.reshape(-1)
+    per = _padded(flat.numel(), math.prod(g.size for g in groups)) // math.prod(g.size for g in groups)
+    piece = flat.new_zeros(per)
+    start, end = min(index * per, flat.numel()), min((index + 1) * per, flat.numel())
+    piece[:end - start] = flat[start:end]
+    return piece
 
 
 def zero2_unshard(piece: torch.Tensor, shape, groups: "list[AxisGroup]") -> torch.Tensor:
