@@ -91,17 +91,22 @@ def test_auto_chooses_selective_recompute_where_it_is_enough():
     assert _plan("gpt-longseq", **LONGSEQ_AUTO).recompute == ("blocks",)
 
 
-def test_a_plan_whose_walk_exceeds_the_budget_is_never_returned():
+@pytest.fixture(scope="module")
+def auto_under_3_1mb():
+    return _plan("gpt-longseq", **dict(LONGSEQ_AUTO, memory_budget_bytes=3.1e6))
+
+
+def test_a_plan_whose_walk_exceeds_the_budget_is_never_returned(auto_under_3_1mb):
     # attention-only recompute fits 3.1 MB in the ILP's row (3.10 MB) but walks to 3.46 MB with
     # the gradients in flight; no tighter row fits with it, so the pinned mode has no plan (the
     # re-solve once kept the 3.46 MB plan), and the free choice re-solves to one that walks under
     with pytest.raises(AutoparError, match="no plan fits"):
         _plan("gpt-longseq", **dict(LONGSEQ_AUTO, memory_budget_bytes=3.1e6), recompute="selective")
-    auto = _plan("gpt-longseq", **dict(LONGSEQ_AUTO, memory_budget_bytes=3.1e6))
+    auto = auto_under_3_1mb
     assert auto.recompute == ("blocks",) and auto.peak_memory_bytes_per_device <= 3.1e6
 
 
-def test_a_re_solve_stopped_by_the_clock_is_not_a_plan(monkeypatch):
+def test_a_re_solve_stopped_by_the_clock_is_not_a_plan(monkeypatch, auto_under_3_1mb):
     # the re-solve's answer counts only if it reached its optimum: one stopped by the wall clock
     # depends on the machine's load (the ranks and the test process planned apart)
     import dataclasses
@@ -109,7 +114,7 @@ def test_a_re_solve_stopped_by_the_clock_is_not_a_plan(monkeypatch):
     from autopar import mesh_search
     from autopar.cost_model.ilp import InfeasibleBudgetError, solve
 
-    problem = _plan("gpt-longseq", **dict(LONGSEQ_AUTO, memory_budget_bytes=3.1e6)).problem  # recompute options in
+    problem = auto_under_3_1mb.problem  # with the recompute options
     budget = 3.1e6
     first = solve(problem, budget)
     assert mesh_search.evaluate(problem, first.choice).peak_memory_bytes > budget  # the walk is over the row's plan
