@@ -38,6 +38,9 @@ class GatheredUnit:
     saved_bytes: float  # weights gathered again for backward (or by the recompute)
     members: int  # weights gathered in one flat all-gather
     saved_members: int
+    # weights saved by a recomputed segment (selective recompute): not in the unit's re-gather,
+    # gathered one by one by the recompute and held until their backward
+    recompute_saved_bytes: float = 0.0
 
     @property
     def landing_bytes(self) -> float:
@@ -60,14 +63,18 @@ def param_unit(node) -> str:
     return ".".join(target.split(".")[:-1]) or target
 
 
-def gathered_units(problem, choice: dict[str, int]) -> list[GatheredUnit]:
-    """The ZeRO-3 units under ``choice``, in forward order (empty without ZeRO-3 parameters)."""
+def gathered_units(problem, choice: dict[str, int], segment_keys: frozenset[str] = frozenset()
+                   ) -> list[GatheredUnit]:
+    """The ZeRO-3 units under ``choice``, in forward order (empty without ZeRO-3 parameters);
+    ``segment_keys``: the decisions of recomputed segments (their saved weights come from the
+    recompute, not from the unit's re-gather)."""
     mesh = problem.mesh
     pos = {}
     if problem.decisions:
         pos = {n: i for i, n in enumerate(next(iter(problem.decisions.values())).node.graph.nodes)}
     whole: dict[str, dict[str, float]] = defaultdict(dict)  # unit -> gathered tensor -> bytes (one copy)
     saved: dict[str, dict[str, float]] = defaultdict(dict)
+    by_recompute: dict[str, dict[str, float]] = defaultdict(dict)
     first: dict[str, int] = {}
     runs: dict[str, str | None] = {}
     for e in problem.edges:
@@ -91,6 +98,7 @@ def gathered_units(problem, choice: dict[str, int]) -> list[GatheredUnit]:
         target = e.targets[0] if e.targets else consumer
         if saves_input(target, e.input_index, problem.needs_grad) or any(
                 saves_input(t, e.input_index, problem.needs_grad) for t in e.targets):
-            saved[unit][key] = nbytes
+            (by_recompute if e.consumer in segment_keys else saved)[unit][key] = nbytes
     return sorted((GatheredUnit(u, runs[u], first[u], sum(whole[u].values()), sum(saved[u].values()),
-                                len(whole[u]), len(saved[u])) for u in whole), key=lambda g: g.first)
+                                len(whole[u]), len(saved[u]), sum(by_recompute[u].values()))
+                   for u in whole), key=lambda g: g.first)

@@ -191,7 +191,9 @@ def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -
     kept_blocks = sum(r.count * (r.full - r.recomputed) for r in ordered)
     g_head, g_pre = sum(g for _, _, g in head), sum(g for _, _, g in pre)
     grads = g_pre + g_head + sum(r.count * r.grads for r in ordered)
-    z3 = _Zero3(gathered_units(problem, choice), runs, chosen, lo)
+    segments = frozenset(k for t in getattr(problem, "recompute", ()) if t.prefix in chosen
+                         and split_recompute_entry(t.prefix)[1] is not None for k in t.keys)
+    z3 = _Zero3(gathered_units(problem, choice, segments), runs, chosen, lo)
     points = [(persistent + pre_acts + kept_blocks + _walk(head, head_t) + z3.outside(after=True), "head backward")]
     points += [(persistent + before + extra, "forward gather")
                for before, extra in z3.forward(pre, head, ordered, pre_acts, kept_blocks)]
@@ -248,7 +250,10 @@ class _Zero3:
             # reduce-scattered on its own, pushing the earlier units' out of flight
             return u.saved_bytes + in_flight, 0.0
         before = self._regathered(i - 1) if i > 0 else 0.0
-        return u.regather_landing_bytes + in_flight, u.landing_bytes + before + in_flight
+        # a recomputed segment's weights are gathered by its recompute, after the unit's
+        # re-gathered ones are used and freed (selective recompute: the attention's)
+        start = max(u.regather_landing_bytes, u.recompute_saved_bytes)
+        return start + in_flight, u.landing_bytes + before + in_flight
 
     def block(self, prefix: str, j: int) -> tuple[float, float]:
         """(extra bytes while copy ``j`` of run ``prefix`` starts its backward, while it ends)."""
