@@ -16,6 +16,9 @@ What is measured, on every rank at once (each rank is one "device" of the profil
 - ``kernel_overhead_s``: time per op of back-to-back 1-element adds (dispatch and launch).
 - ``optimizer_params_per_s``: parameter elements per second ``torch.optim.AdamW`` (defaults)
   updates: the optimizer step's price (``cost_model/offload.py``).
+- ``host_adam_params_per_s``: the same for the host AdamW ZeRO-Offload runs
+  (``autopar.optim.cpu_kernels.adam_step``, as ``runtime/offload.py`` calls it), on the CPU
+  whatever the device: the offloaded step's price. Profiles not calibrated keep a default.
 - ``memory_bytes``: device memory (CUDA) or the machine's RAM (CPU; all local ranks share it).
 - ``shared_cores`` (CPU): the cores the ranks share (``os.sched_getaffinity``), so that the
   pipeline's bubble is priced as the oversubscribed machine runs it (``cost_model/pipeline.py``).
@@ -126,6 +129,7 @@ class DeviceMeasurements:
     memory_bytes: float
     adamw_params_per_s: float = 0.0  # torch's AdamW step with its defaults (0: not measured)
     softmax_bytes_per_s: float = 0.0  # log-softmax over 8192-wide rows, input + output bytes (0: not measured)
+    host_adam_params_per_s: float = 0.0  # the host AdamW of ZeRO-Offload (0: not measured)
 
 
 @dataclass(frozen=True)
@@ -266,6 +270,7 @@ def _build(measured: dict[str, Any], backend: str, name: str | None, links_from:
         kernel_overhead_s=dev.tiny_op_seconds,
         optimizer_params_per_s=dev.adamw_params_per_s,
         softmax_bytes_per_s=dev.softmax_bytes_per_s,
+        **({"host_adam_params_per_s": dev.host_adam_params_per_s} if dev.host_adam_params_per_s else {}),
         efficiency=1.0,  # measured rates already include kernel efficiency (module docstring)
         comm_overlap=float(overlap) if overlap is not None else (base.comm_overlap if base is not None else 0.0),
         # CPU ranks share this machine's cores (the rates above are each rank's share of them)
@@ -310,6 +315,7 @@ def format_summary(cal: Calibration) -> str:
          "(input + output) -> softmax_bytes_per_s"),
         ("tiny op (1-element add)", f"{d.tiny_op_seconds * 1e6:,.2f} us", "-> kernel_overhead_s"),
         ("AdamW step", f"{d.adamw_params_per_s / 1e6:,.1f} M params/s", "-> optimizer_params_per_s"),
+        ("host AdamW (offload)", f"{d.host_adam_params_per_s / 1e6:,.1f} M params/s", "-> host_adam_params_per_s"),
         ("memory", f"{d.memory_bytes / 2**30:,.2f} GiB", "-> memory_bytes"),
         ("all-reduce beside matmuls", "not measured (1 rank)" if cal.comm_overlap is None else
          f"{cal.comm_overlap:.2f} hidden", "-> comm_overlap"),

@@ -77,6 +77,26 @@ def _adamw_params_per_s(device: torch.device, sync: Callable[[], None], window_s
     return 8 * rows * cols / _seconds_per_call(opt.step, sync, window_s)
 
 
+def _host_adam_params_per_s(window_s: float) -> float:
+    """Parameter elements per second the host (CPU) AdamW step of ZeRO-Offload updates:
+    ``autopar.optim.cpu_kernels.adam_step`` (csrc/'s fused kernel, or its torch fallback), the
+    call ``runtime/offload.py`` makes per parameter, over eight layer-sized fp32 tensors, on
+    this rank's threads (the profile's ``host_adam_params_per_s``, per device)."""
+    from autopar.optim.cpu_kernels import adam_step
+
+    rows, cols = 512, 1024
+    state = [[torch.randn(rows, cols), torch.randn(rows, cols), torch.zeros(rows, cols), torch.zeros(rows, cols)]
+             for _ in range(8)]
+    step = [0]
+
+    def one_step() -> None:
+        step[0] += 1
+        for master, grad, exp_avg, exp_avg_sq in state:
+            adam_step(master, grad, exp_avg, exp_avg_sq, step[0], 1e-3, 0.9, 0.999, 1e-8, 0.01, True)
+
+    return 8 * rows * cols / _seconds_per_call(one_step, lambda: None, window_s)
+
+
 def _stream_rates(nbytes: int, device: torch.device, sync: Callable[[], None],
                   window_s: float) -> tuple[float, float]:
     """(copy, add) bytes per second: a copy moves 2 x ``nbytes``, ``c = a + b`` 3 x."""
@@ -116,6 +136,8 @@ def measure_device(device: torch.device, quick: bool, say: Callable[[str], None]
     say(f"log-softmax {softmax / 1e9:,.2f} GB/s (input + output)")
     adamw = _adamw_params_per_s(device, sync, window)
     say(f"AdamW step (torch defaults): {adamw / 1e6:,.1f} M parameters/s")
+    host_adam = _host_adam_params_per_s(window)
+    say(f"host AdamW step (ZeRO-Offload's adam_step): {host_adam / 1e6:,.1f} M parameters/s")
     one, out = torch.ones(1, device=device), torch.empty(1, device=device)
     tiny = _seconds_per_call(lambda: torch.add(one, one, out=out), sync, window, batch=100)
     say(f"tiny op {tiny * 1e6:.1f} us")
@@ -126,7 +148,8 @@ def measure_device(device: torch.device, quick: bool, say: Callable[[str], None]
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     return dict(device=name, matmul_n=n, matmul_fp32_flops=fp32, matmul_bf16_flops=bf16, bf16_native=bf16_native,
                 stream_bytes=stream_bytes, copy_bytes_per_s=copy, add_bytes_per_s=add, tiny_op_seconds=tiny,
-                memory_bytes=memory, adamw_params_per_s=adamw, softmax_bytes_per_s=softmax)
+                memory_bytes=memory, adamw_params_per_s=adamw, softmax_bytes_per_s=softmax,
+                host_adam_params_per_s=host_adam)
 
 
 def _time_collective(fn: Callable[[], Any], sync: Callable[[], None], group: Any, device: torch.device,

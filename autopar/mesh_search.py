@@ -52,9 +52,63 @@ def prepare_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: Tra
     return build_problem(gm, mesh, hw, train, pin, zero2=zero2 or (pin is not None and pin.zero2))
 
 
-def solve_mesh(problem: Problem, budget: float | None, time_limit_s: float) -> Solved:
-    result = solve(problem, budget, time_limit_s=time_limit_s)
-    return Solved(problem.mesh, problem, result, evaluate(problem, result.choice))
+def solve_mesh(problem: Problem, budget: float | None, time_limit_s: float,
+               first: SolveResult | None = None) -> Solved:
+    """The mesh's plan under ``budget`` (``first``: a solve already made with the budget's row,
+    such as an integral LP). The ILP's memory row is the sum of what a plan keeps; the walked
+    peak also holds one op's gradients in flight (cost_model/grad_transients.py), a max the
+    linear row cannot carry. A plan whose walk goes over the budget is solved again with the
+    row tightened by its excess (halfway back to the last row with a plan where a row had
+    none), ``_RESOLVES`` times at most, until a plan's walk fits; a mesh where none does is
+    infeasible (never a plan over its budget). The rows never loosen again after a fit: the
+    rows between a fit and an overshoot are the hard ones for HiGHS (on gpt-longseq's 2x2
+    mesh with ZeRO-2 and recompute options, 1-7 s at the first rows, the time limit there).
+
+    A plan must be a function of its inputs (the ranks and the process that checks them plan
+    alike), so only solves that reached their optimum count: a solve stopped by its wall-clock
+    limit answers by how loaded the machine was, and ends the re-solving (the mesh is then
+    infeasible here, as far as this search knows)."""
+    result = first if first is not None else solve(problem, budget, time_limit_s=time_limit_s)
+    pred = evaluate(problem, result.choice)
+    if budget is None or pred.peak_memory_bytes <= budget:
+        return Solved(problem.mesh, problem, result, pred)
+    first_bound, least = result.lower_bound_s, pred.peak_memory_bytes
+    over_row, dead_row, row = budget, -math.inf, budget  # rows known to give a plan over the budget, none at all
+    walk: float | None = pred.peak_memory_bytes
+    for _ in range(_RESOLVES):
+        if walk is None:
+            dead_row = row
+            row = (dead_row + over_row) / 2
+        else:
+            over_row = min(over_row, row)
+            row -= walk - budget
+            if row <= dead_row:
+                row = (dead_row + over_row) / 2
+        if over_row - dead_row < 0.01 * budget:
+            break  # the rows tried bracket the budget's within 1%
+        try:
+            result = solve(problem, row, time_limit_s=time_limit_s)
+        except InfeasibleBudgetError:
+            walk = None
+            continue
+        except AutoparError:  # no plan within the time limit
+            break
+        if result.status != "Optimal":
+            break  # stopped by the clock: not a function of the inputs
+        pred = evaluate(problem, result.choice)
+        least = min(least, pred.peak_memory_bytes)
+        walk = pred.peak_memory_bytes
+        if walk <= budget:
+            # a tighter row's dual bound does not bound the budget's plans: the first solve's does
+            bound = min(result.lower_bound_s, first_bound) if first_bound == first_bound else math.nan
+            return Solved(problem.mesh, problem, dataclasses.replace(result, lower_bound_s=bound), pred)
+    raise InfeasibleBudgetError(
+        f"no plan on mesh {problem.mesh} fits the memory budget of {format_bytes(budget)} per device once "
+        f"the gradients in flight are walked: the least found needs {format_bytes(least)}", least)
+
+
+# re-solves of a mesh whose walked peak exceeds the budget (solve_mesh)
+_RESOLVES = 4
 
 
 @dataclass(frozen=True)
@@ -153,22 +207,22 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
             b.problem = prepare_problem(gm, mesh, hw, train, pin, zero2)
             b.lp = solve(b.problem, budget, time_limit_s=time_limit_s, relax=True)
         problem, lp = b.problem, b.lp
-        if lp.integral:
-            s = Solved(mesh, problem, lp, evaluate(problem, lp.choice))
-        else:
-            try:
+        try:
+            if lp.integral:  # the ILP's optimum, unless its walk goes over the budget
+                s = solve_mesh(problem, budget, time_limit_s / max_ilps, first=lp)
+            else:
                 # the search's ILPs share the time limit: a hard mesh cannot stall the plan
                 s = solve_mesh(problem, budget, time_limit_s / max_ilps)
-            except InfeasibleBudgetError as exc:
-                infeasible_need = min(infeasible_need, exc.need_bytes)
+        except InfeasibleBudgetError as exc:
+            infeasible_need = min(infeasible_need, exc.need_bytes)
+            continue
+        except AutoparError:  # the time limit hit before any plan: the mesh keeps its LP bound
+            s = rounded_lp(mesh, problem, lp, budget)
+            if s is None:
+                bound = min(bound, b.objective)
+                unsolved.append(str(mesh))
+                progress(f"mesh {mesh}: ILP stopped at its time limit without a plan")
                 continue
-            except AutoparError:  # the time limit hit before any plan: the mesh keeps its LP bound
-                s = rounded_lp(mesh, problem, lp, budget)
-                if s is None:
-                    bound = min(bound, b.objective)
-                    unsolved.append(str(mesh))
-                    progress(f"mesh {mesh}: ILP stopped at its time limit without a plan")
-                    continue
         solved += 1
         # the ILP's dual bound, never above the LP's (both bound this mesh's plans)
         bound = min(bound, b.objective, s.result.lower_bound_s if s.result.lower_bound_s == s.result.lower_bound_s

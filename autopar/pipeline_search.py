@@ -57,6 +57,7 @@ from autopar.cost_model.comm import collective_s, p2p_s, unit_collective_s
 from autopar.cost_model.costs import TrainingSpec
 from autopar.cost_model.evaluate import shared_reshards
 from autopar.cost_model.fsdp_pricing import fsdp_fusions, fsdp_unit_s, fsdp_unit_shares
+from autopar.cost_model.liveness import backward_transient_peaks
 from autopar.mesh import Link, MeshSpec
 from autopar.passes.annotate import annotate
 from autopar.passes.split_stages import block_container, split_stages
@@ -165,6 +166,9 @@ class _SubMesh:
     tied_bytes: float = 0.0  # gradients of weights tied between the first and last piece
     middle_choice: dict | None = None  # the middle piece's solved choice (what _with_recompute prices)
     block_floor: _Part | None = None  # one block less its ZeRO-3 re-gathers: recompute costs no less
+    # per piece (embed, block, head): (gradients in flight in one op's backward, whole batch;
+    # the largest parameter gradient): cost_model/liveness.backward_transient_peaks
+    grad_transients: tuple = ((0.0, 0.0),) * 3
 
 
 def _price_submesh(pieces, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: TrainingSpec,
@@ -180,9 +184,10 @@ def _price_submesh(pieces, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: T
     send, grad = _boundary_bytes(pieces[0], train)
     nodes = tuple(n for p in plans for n in p.nodes)
     tied = sum(_weight_bytes(pieces[0], target) for target, stages in pieces.tied.items() if 2 in stages)
+    grad_t = tuple(backward_transient_peaks(p.problem, p.choice) for p in plans)
     floor = _split_costs(plans[1].problem, plans[1].choice, regathers=False).scale(1.0 / (n_blocks - 2))
     return _SubMesh(mesh, first - block, block, last - block, send, grad, batch, nodes, None, 0.0, tied,
-                    dict(plans[1].choice), floor)
+                    dict(plans[1].choice), floor, grad_t)
 
 
 def _with_recompute(sub: _SubMesh, pieces, n_blocks: int, hw: Hardware, train: TrainingSpec) -> _SubMesh:
@@ -273,11 +278,19 @@ def _stage_part(sub: _SubMesh, n: int, first: bool, last: bool, rc: bool = False
     return part
 
 
+def _grad_transient(sub: _SubMesh, m: int, last: bool, first: bool) -> float:
+    """Gradients in flight in a stage's busiest op backward (one micro-batch), or the fresh
+    gradient of its largest parameter that micro-batches after the first add into ``.grad``."""
+    pieces = [sub.grad_transients[1]] + ([sub.grad_transients[0]] if first else []) + \
+        ([sub.grad_transients[2]] if last else [])
+    return max(max(ops / m, grads if m > 1 else 0.0) for ops, grads in pieces)
+
+
 def _stage_cost(part: _Part, m: int, sub: _SubMesh, last: bool, first: bool, rc: bool = False) -> StageCost:
     return StageCost(seconds=part.batch_seconds / m + part.use_seconds, param_state_bytes=part.param_bytes,
                      activation_bytes=part.act_bytes / m, send_bytes=0.0 if last else sub.send_bytes / m,
                      send_grad_bytes=0.0 if first else sub.grad_bytes / m,
-                     transient_bytes=sub.transient_bytes / m if rc else 0.0)
+                     transient_bytes=(sub.transient_bytes / m if rc else 0.0) + _grad_transient(sub, m, last, first))
 
 
 def _balance(sub: _SubMesh, p: int, m: int, schedule: str, n_blocks: int, budget: float, rc: bool = False
@@ -298,7 +311,7 @@ def _balance(sub: _SubMesh, p: int, m: int, schedule: str, n_blocks: int, budget
         lo = 0
         for n in range(1, n_blocks - p + 2):
             part = parts[k][n - 1]
-            transient = sub.transient_bytes / m if rc else 0.0
+            transient = (sub.transient_bytes / m if rc else 0.0) + _grad_transient(sub, m, k == p - 1, k == 0)
             if part.param_bytes + flight * part.act_bytes / m + transient > budget:
                 break
             lo = n

@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_model.hardware import Hardware, get_hardware
+from autopar.cost_model.liveness import backward_transient_peaks
 from autopar.cost_model.pipeline import StageCost, pipeline_cost, step_sync_bytes, tied_sync_cost
 from autopar.mesh import Link, MeshSpec
 from autopar.passes.split_stages import REQUIRES_GRAD_KEY, block_container, even_stage_blocks, split_stages
@@ -145,13 +146,23 @@ def plan_stages(micro_gm: fx.GraphModule, stage_blocks: tuple[int, ...], sub: Me
     return out
 
 
+def _grad_transient(p: Plan, m: int) -> float:
+    """Gradients in flight in the stage's busiest op backward (its plan is one micro-batch's),
+    or the fresh gradient of its largest parameter that micro-batches after the first add into
+    ``.grad`` (cost_model/liveness.backward_transient_peaks); 0 for a plan read from JSON."""
+    if p.problem is None or p.choice is None:
+        return 0.0
+    ops, grads = backward_transient_peaks(p.problem, p.choice)
+    return max(ops, grads if m > 1 else 0.0)
+
+
 def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule: str, stage_mesh: MeshSpec,
                           block_prefix: str, stage_blocks: tuple[int, ...], pp_link: Link,
                           recompute: bool, idle_speedup: float = 1.0) -> tuple[PipelineInfo, float]:
     """A PipelineInfo priced from the stage plans themselves (a pipeline pinned by hand), and
     the step time (schedule, then the once-per-step syncs and optimizer of the slowest device)."""
-    costs = [StageCost(p.step_seconds, p.param_state_bytes, p.activation_bytes, c.send_bytes, c.send_grad_bytes)
-             for p, c in zip(stages, stages.chunks)]
+    costs = [StageCost(p.step_seconds, p.param_state_bytes, p.activation_bytes, c.send_bytes, c.send_grad_bytes,
+                       transient_bytes=_grad_transient(p, m)) for p, c in zip(stages, stages.chunks)]
     pc = pipeline_cost(costs, schedule, m, pp_link, v, idle_speedup)
     tied_s = sum(t.seconds for t in stages.tied)
     starts = [sum(stage_blocks[:s]) for s in range(pp * v)]

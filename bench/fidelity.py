@@ -122,10 +122,11 @@ def _predicted(plan) -> dict:
 
 
 def _rank(rank: int, port: int, names: list[str], quick: bool, hardware: str, rounds: int, out: str) -> None:
-    from memtrack import LiveBytes, optimizer_tensors
+    from memtrack import LiveBytes, bucket_buffers, optimizer_tensors
     from runtime_vs_baselines import FULL, QUICK, build_model
 
     from autopar.plan import Plan
+    from autopar.runtime.offload import make_optimizer
     from autopar.runtime.parallel_module import parallelize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -144,10 +145,12 @@ def _rank(rank: int, port: int, names: list[str], quick: bool, hardware: str, ro
         try:
             module = parallelize(model, example_inputs=inputs, plan=the_plan, hardware=hardware,
                                  mixed_precision=False)
-            opt = torch.optim.AdamW(list(module.parameters()), lr=1e-3)
+            # the optimizer autopar's plan prices (torch's fused AdamW: no step temporaries); the
+            # loop AdamW adds two temporaries of the largest parameter (16 MiB here, bench/memwhere.py)
+            opt = make_optimizer(module, lr=1e-3)
             with LiveBytes() as mem:
                 for i in range(shape.warmup):
-                    mem.track(optimizer_tensors(module, opt))
+                    mem.track(optimizer_tensors(module, opt) + bucket_buffers(module))
                     if i == shape.warmup - 1:
                         mem.reset_peak()
                     _train_step(module, opt, inputs)

@@ -1,7 +1,8 @@
 """Memory savers, predicted next to measured: recompute none / selective / full, offload off / on.
 
 Runs the cases of ``tests/mem_cases.py`` on 4 gloo ranks in one launch (tiny GPT under
-Megatron-DP, a tiny Hugging Face Llama under data parallelism, ZeRO-3 GPT; fp32, 3 AdamW
+Megatron-DP, a tiny Hugging Face Llama under data parallelism, ZeRO-3 GPT with
+offload and none / selective / full recompute; fp32, 3 AdamW
 steps) and prints, per rank 0, what the plan predicts and what ``bench/memtrack.py`` measured
 on the second step (the optimizer state exists by then):
 
@@ -33,10 +34,12 @@ CASES = [("gpt-tiny", dict(MEG, recompute=rc)) for rc in ("none", "selective", "
         [("hf-llama-tiny", {"strategy": "dp", "recompute": rc}) for rc in ("none", "selective", "full")] + \
         [("gpt-tiny", dict(MEG, recompute="none", offload=True)),
          ("gpt-tiny", {"strategy": "zero3", "recompute": "none"}),
-         ("gpt-tiny", {"strategy": "zero3", "recompute": "none", "offload": True})]
+         ("gpt-tiny", {"strategy": "zero3", "recompute": "none", "offload": True}),
+         ("gpt-tiny", {"strategy": "zero3", "recompute": "selective"}),
+         ("gpt-tiny", {"strategy": "zero3", "recompute": "full"})]
 # (saver, baseline) pairs whose fall is compared
 FALLS = [(CASES[1], CASES[0]), (CASES[2], CASES[0]), (CASES[4], CASES[3]), (CASES[5], CASES[3]),
-         (CASES[6], CASES[0]), (CASES[8], CASES[7])]
+         (CASES[6], CASES[0]), (CASES[8], CASES[7]), (CASES[9], CASES[7]), (CASES[10], CASES[7])]
 
 
 def _run() -> dict:

@@ -34,16 +34,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytes", "optimizer_tensors"]
+__all__ = ["LiveBytes", "optimizer_tensors", "bucket_buffers", "plain_tensors"]
 
 
-def _plain_tensors(t: torch.Tensor) -> Iterable[torch.Tensor]:
+def plain_tensors(t: torch.Tensor) -> Iterable[torch.Tensor]:
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         for a in attrs:
             inner = getattr(t, a)
             if isinstance(inner, torch.Tensor):
-                yield from _plain_tensors(inner)
+                yield from plain_tensors(inner)
     else:
         yield t
 
@@ -86,7 +86,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _see(self, t: Any) -> None:
         if isinstance(t, torch.Tensor):
-            for plain in _plain_tensors(t):
+            for plain in plain_tensors(t):
                 if plain.device.type != "meta":
                     self._count(plain.untyped_storage())
 
@@ -98,7 +98,7 @@ class LiveBytes(TorchDispatchMode):
     def host(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count these tensors as host memory (offloaded state), never as the device's."""
         for t in tensors:
-            for plain in _plain_tensors(t):
+            for plain in plain_tensors(t):
                 storage = plain.untyped_storage()
                 key = id(storage)
                 if key in self._host:
@@ -155,4 +155,15 @@ def optimizer_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer)
             out.append(p.grad)
     for state in optimizer.state.values():
         out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def bucket_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """autopar's gradient buckets (``runtime/grad_buckets.py``): flat buffers allocated in the
+    first backward and kept, as DDP's; alive all step, though a step touches them only late."""
+    out: list[torch.Tensor] = []
+    for m in module.modules():
+        for b in getattr(getattr(m, "grad_buckets", None), "buckets", ()):
+            if isinstance(b.flat, torch.Tensor):
+                out.append(b.flat)
     return out

@@ -24,6 +24,8 @@ Constraints, each added by the function named:
 * ``recompute``      (:func:`_add_recompute`): r_k in {0,1} recomputes block run k; w_{d,i} =
   x_{d,i} r_k for its decisions (sum_i w_{d,i} = r_k, w_{d,i} <= x_{d,i}) and edges, costing the
   forward again (F_{d,i} w_{d,i}) and saving activation memory (-S_{d,i} w_{d,i} in ``memory``);
+  ``recompute_one``: under ``recompute="auto"`` a run has two terms (the whole block, its attention
+  segment) and sum_k r_k <= 1 over them;
 * ``memory``         (:func:`_add_memory`): sum_{d,i} M_{d,i} x_{d,i} - sum S w <= budget bytes;
 * ``host_memory``    (:func:`_add_host_memory`, offload only): sum_{d,i} H_{d,i} x_{d,i} <= host bytes.
 
@@ -181,8 +183,10 @@ def _add_recompute(m: _Model, problem: Problem, x, edge_cols: dict) -> tuple[dic
                 memory.append((w, -saved_bytes))
         m.row(f"recompute[{name}]", [(w, 1.0) for w in ws] + [(r, -1.0)], 0.0, 0.0)
 
+    runs: dict[str, list[int]] = {}
     for term in problem.recompute:
         r = r_cols[term.key] = m.col(0.0, integer=True)
+        runs.setdefault(term.prefix.partition(":")[0], []).append(r)
         if term.pinned is not None:
             m.row(f"recompute_pin[{term.prefix}]", [(r, 1.0)], float(term.pinned), float(term.pinned))
         for key, per_option in term.decisions.items():
@@ -195,6 +199,9 @@ def _add_recompute(m: _Model, problem: Problem, x, edge_cols: dict) -> tuple[dic
             gates = list(cols.values())
             per_gate = [pairs.get(ab, (0.0, 0.0, []))[:2] for ab in cols]
             product(f"{term.prefix}:edge{idx}", r, gates, per_gate)
+    for run, cols in runs.items():  # "auto": a run's whole block or its attention segment, not both
+        if len(cols) > 1:
+            m.row(f"recompute_one[{run}]", [(c, 1.0) for c in cols], 0.0, 1.0)
     return r_cols, memory
 
 

@@ -22,8 +22,10 @@ backward is summed):
 Selective recompute (``"selective"``; Megatron-LM's selective recompute of the attention core,
 arXiv 2205.05198, taken here as each block's attention submodule: projections, attention, output
 projection) is the same term over the ops of one segment per block: the segment keeps its inputs
-(the normalized residual stream) and its output, and recomputes the rest. Pinned, never chosen
-by the ILP (``"auto"`` chooses whole blocks only); not offered under pipeline stages yet.
+(the normalized residual stream) and its output, and recomputes the rest. Pinned
+(``"selective"``), or one of the ILP's choices under ``"auto"``: per run, keep, recompute the
+attention segment, or recompute the whole block (at most one term of a run chosen); not offered
+under pipeline stages yet (their stages pin full or none: ``autopar.pipeline_search``).
 
 A ZeRO-3 weight gathered inside a recomputed block is gathered again by the recompute instead
 of ``runtime.fsdp``'s backward re-gather (``evaluate`` counts one, not both). Not yet priced: the
@@ -40,7 +42,7 @@ import torch.fx as fx
 
 from autopar.strategy import Layout, Strategy
 
-from .blocks import attention_segment_of, block_of
+from .blocks import attention_segment_of, block_of, split_recompute_entry
 from .comm import bytes_sent_per_rank
 from .costs import RECOMPUTE_MODES, TrainingSpec, compute_seconds
 from .hardware import Hardware
@@ -102,11 +104,11 @@ def add_recompute(problem, hw: Hardware, train: TrainingSpec,
         b = block_of(d.node)
         if b is None or d.is_param or d.node.op != "call_function":
             continue
-        if mode == "selective":
+        if mode in ("selective", "auto"):
             segment = attention_segment_of(d.node)
             if segment is not None:
                 groups[f"{b[0]}:{segment}"].add(key)
-        else:
+        if mode != "selective":
             groups[b[0]].add(key)
     nodes = {n.name: n for n in next(iter(problem.decisions.values())).node.graph.nodes} if problem.decisions else {}
     followers_of: dict[str, list[str]] = defaultdict(list)
@@ -115,7 +117,9 @@ def add_recompute(problem, hw: Hardware, train: TrainingSpec,
     for prefix, keys in sorted(groups.items()):
         if mode == "auto" and max(problem.decisions[k].count for k in keys) < 2:
             continue  # one block: recompute would hold as much at its backward as keeping does
-        home_of = _segment_home if mode == "selective" else block_of
+        # "auto" offers each run both ways, full and selective, at most one of them chosen
+        # (``cost_model.ilp``: row ``recompute_one``)
+        home_of = _segment_home if split_recompute_entry(prefix)[1] else block_of
         term = RecomputeTerm(f"recompute[{prefix}]", prefix, True if mode in ("full", "selective") else None,
                              boundary=_boundary_keys(problem, keys, home_of), keys=frozenset(keys))
         for key in sorted(keys):

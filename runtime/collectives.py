@@ -163,22 +163,22 @@ class _ReduceScatter(torch.autograd.Function):
 
 
 def _a2a(x: torch.Tensor, split_dim: int, cat_dim: int, g: AxisGroup) -> torch.Tensor:
-    """Cut ``split_dim`` into n pieces, send piece j to rank j, concatenate received on ``cat_dim``."""
+    """Cut ``split_dim`` into n pieces, send piece j to rank j, concatenate received on ``cat_dim``.
+
+    One send and one receive buffer (gloo implements only ``all_to_all_single``): the pieces
+    laid back to back (a view when ``split_dim`` is 0), and the received ones read in place
+    (a view when ``cat_dim`` is 0). The list form (a copy per piece each way, then a
+    concatenation) held four buffers of the tensor's size at once besides the input: 16 MiB
+    more than this at the peak of the GPT head's backward under Megatron (bench/memwhere.py)."""
     x = x.contiguous()
     COUNTER.add("all_to_all", _nbytes(x), g.size)
-    inputs = [p.contiguous() for p in x.chunk(g.size, dim=split_dim)]
-    outputs = [torch.empty_like(inputs[0]) for _ in range(g.size)]
-    _a2a_single(outputs, inputs, g)
-    return torch.cat(outputs, dim=cat_dim)
-
-
-def _a2a_single(outputs, inputs, g: AxisGroup) -> None:
-    """The list form of all-to-all over all_to_all_single: gloo implements only the latter."""
-    send = torch.cat([t.reshape(-1) for t in inputs])
+    n = g.size
+    send = x.unflatten(split_dim, (n, x.shape[split_dim] // n)).movedim(split_dim, 0).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=g.group)
-    for out, piece in zip(outputs, recv.chunk(g.size)):
-        out.copy_(piece.view_as(out))
+    del send  # freed before the result is laid out
+    out = recv.movedim(0, cat_dim).flatten(cat_dim, cat_dim + 1)
+    return out.contiguous()
 
 
 class _AllToAll(torch.autograd.Function):
@@ -269,7 +269,14 @@ def zero2_shard(local: torch.Tensor, groups: "list[AxisGroup]") -> torch.Tensor:
     index = 0
     for g in groups:
         index = index * g.size + g.rank
-    return _flat_padded(local, groups).chunk(math.prod(g.size for g in groups))[index].clone()
+    # this rank's chunk of the flat padded tensor, copied out without padding the whole (a
+    # whole padded copy was one more tensor of its size alive while a model loads)
+    flat = local.reshape(-1)
+    per = _padded(flat.numel(), math.prod(g.size for g in groups)) // math.prod(g.size for g in groups)
+    piece = flat.new_zeros(per)
+    start, end = min(index * per, flat.numel()), min((index + 1) * per, flat.numel())
+    piece[:end - start] = flat[start:end]
+    return piece
 
 
 def zero2_unshard(piece: torch.Tensor, shape, groups: "list[AxisGroup]") -> torch.Tensor:

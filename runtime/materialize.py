@@ -243,6 +243,13 @@ class ShardSource:
         self._note(full.nbytes, local)
         return local
 
+    def replaced(self, piece: torch.Tensor, kept: torch.Tensor) -> None:
+        """``piece`` (made by :meth:`piece`) is dropped for ``kept`` (ZeRO-2's flat part of it):
+        from now on the rank holds that instead; the moment both exist counts in the peak."""
+        before, after = piece.untyped_storage().nbytes(), kept.untyped_storage().nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.kept_bytes + after)
+        self.kept_bytes += after - before
+
     def done(self) -> None:
         """Drop the cached module and close the checkpoint's files."""
         self._module = (None, {})

@@ -109,11 +109,12 @@ def make_optimizer(module: nn.Module, lr: float = 1e-3, betas: tuple[float, floa
     offloads, else ``torch.optim.AdamW`` (state on the device). ``module``: what
     ``autopar.parallelize`` returned."""
     plan = getattr(module, "plan", None)
-    if plan is None:
+    plans = [plan] if plan is not None else list(getattr(module, "plans", None) or ())  # a pipeline: its stages'
+    if not plans:
         raise AutoparError(f"make_optimizer takes the module autopar.parallelize returned; got a "
                            f"{type(module).__name__} without a plan: parallelize it first")
     params = [p for p in module.parameters() if p.requires_grad]
-    if plan_offloads(plan):
+    if any(plan_offloads(p) for p in plans):
         return OffloadAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     # torch's fused kernel (CUDA and CPU): one pass, no temporaries besides the state, as the
     # cost model's memory walk assumes (cost_model/liveness.py); the loop where it cannot run.

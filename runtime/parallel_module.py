@@ -174,7 +174,9 @@ def _build(model: nn.Module, gm: fx.GraphModule, plan: Plan, strategies: dict[st
                     tensor = functools.reduce(getattr, target.split("."), gm)
                 local = source.piece(target, tensor, layout, is_param)
                 if node.name in zero2:  # the optimizer sees this rank's flat piece only
-                    local = C.zero2_shard(local, [groups[a] for a in sorted(zero2[node.name])])
+                    piece, local = local, C.zero2_shard(local, [groups[a] for a in sorted(zero2[node.name])])
+                    source.replaced(piece, local)  # the layout piece is dropped
+                    del piece
                 if is_param and in_place:
                     adopted.append((full[target], full[target].data))
                     local = adopt(full[target], local)

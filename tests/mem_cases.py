@@ -29,6 +29,11 @@ LLAMA_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hid
 
 def build(name: str):
     """The zoo's models, and a tiny Hugging Face Llama built from its config (no download)."""
+    if name == "gpt-vocab":  # logits (batch x sequence x vocabulary) dwarf the hidden states, as in real LMs
+        from autopar.models.gpt import gpt
+
+        torch.manual_seed(0)
+        return gpt("gpt-tiny", batch_size=16, seq_len=32, vocab_size=2048)
     if name != "hf-llama-tiny":
         return build_zoo(name)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -50,7 +55,7 @@ def case_key(case) -> str:
 
 
 def run_case(name: str, options: dict) -> dict:
-    from memtrack import LiveBytes, optimizer_tensors
+    from memtrack import LiveBytes, bucket_buffers, optimizer_tensors
 
     from autopar.passes.recompute_regions import RECOMPUTED_KEY
     from autopar.runtime import count_bytes
@@ -69,7 +74,7 @@ def run_case(name: str, options: dict) -> dict:
         with LiveBytes() if step == 1 else contextlib.nullcontext() as mem:
             if mem is not None:
                 mem.host(host)  # offloaded state counts as host memory, never as the device's
-                mem.track(optimizer_tensors(pm, opt) + list(inputs))
+                mem.track(optimizer_tensors(pm, opt) + list(inputs) + bucket_buffers(pm))
                 base = mem.live_bytes
             with count_bytes() as sent:
                 loss = pm(*inputs)

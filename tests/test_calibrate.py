@@ -55,6 +55,10 @@ def test_one_rank_needs_links_from_and_then_copies_them(tmp_path):
     assert (hw.intra_node, hw.inter_node) == (PROFILES["cpu"].intra_node, PROFILES["cpu"].inter_node)
     assert hw.peak_flops_fp32 > 1e8 and hw.kernel_overhead_s > 0
     assert cal.comm_overlap is None and hw.comm_overlap == PROFILES["cpu"].comm_overlap  # one rank cannot measure it
+    # the host AdamW of ZeRO-Offload (optim.cpu_kernels.adam_step) is measured into the field
+    # the offloaded step is priced with, not left at the profile's default
+    assert cal.device.host_adam_params_per_s > 0
+    assert hw.host_adam_params_per_s == cal.device.host_adam_params_per_s != PROFILES["cpu"].host_adam_params_per_s
 
 
 @pytest.mark.slow

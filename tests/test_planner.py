@@ -59,9 +59,12 @@ def test_zero3_when_replicated_parameters_do_not_fit():
     roomy = plan(model, 8, inputs, mesh="dp=8", baselines=False, optimizer="sgd")
     big = [n for n in roomy.nodes if n.op == "get_attr" and n.name.endswith("weight") and n.name != "out_weight"]
     assert all(n.output_layout == "R" and not n.zero_axes for n in big)
-    # Replicated bf16 weights with ZeRO-2 need 2 + 14/8 B/param: no longer fit; ZeRO-3 needs ~16/8.
-    tight = plan(model, 8, inputs, mesh="dp=8", baselines=False, memory_budget_bytes=3.5 * n_params)
-    assert tight.peak_memory_bytes_per_device <= 3.5 * n_params
+    # Replicated bf16 weights with ZeRO-2 need 2 + 14/8 B/param plus activations (the ILP's row,
+    # everything at once: 4.9 B/param): no longer fit; ZeRO-3 needs 16/8 (row 3.1), and its walked
+    # peak adds the layers it holds whole at once (a gather landing, the next one prefetched,
+    # gradients in flight: cost_model/fsdp_memory.py): 4.2.
+    tight = plan(model, 8, inputs, mesh="dp=8", baselines=False, memory_budget_bytes=4.75 * n_params)
+    assert tight.peak_memory_bytes_per_device <= 4.75 * n_params
     for n in tight.nodes:
         if n.name in {b.name for b in big}:
             assert n.output_layout.startswith("S("), n  # stored sharded, gathered for use: ZeRO-3

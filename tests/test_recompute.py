@@ -3,7 +3,7 @@ each block's lowered region (passes/recompute_regions.py).
 
 Planner checks run in this process. The runtime checks run 4 gloo ranks in one launch
 (tests/mem_cases.py): the tiny GPT and a tiny Hugging Face Llama with recompute pinned full,
-and the planner's own choice under a budget that forces it; each equals the single-process run
+and the planner's own choice under budgets that force it (whole blocks; attention only); each equals the single-process run
 (losses, gradients, parameters after 3 AdamW steps), sends exactly the bytes its plan predicts
 (the recomputed forward's collectives included) and checkpoints every block it planned to.
 The same launch runs ZeRO-Offload (runtime/offload.py): Megatron, a Llama with full recompute
@@ -25,17 +25,25 @@ import autopar  # noqa: E402
 from autopar.errors import AutoparError  # noqa: E402
 
 MEGATRON = {"strategy": "megatron-dp"}
-# gpt-longseq (one 1024-token sequence) on dp=4: under 3 MB per device no plan fits without recompute
-LONGSEQ_AUTO = {"mesh": "dp=4", "memory_budget_bytes": 3e6, "pipeline": False}
+# gpt-longseq (one 1024-token sequence) on dp=4: under 2.8 MB per device no plan fits without
+# recompute, and the planner recomputes whole blocks
+LONGSEQ_AUTO = {"mesh": "dp=4", "memory_budget_bytes": 2.8e6, "pipeline": False}
+# at 3.5 MB the planner's cheapest way to fit is recomputing each block's attention only: the
+# walked peak of such plans is 3.4-3.5 MB (the recomputed attention's gradients in flight during its
+# backward, cost_model/grad_transients.py), no recompute needs 3.54 MB
+LONGSEQ_SELECTIVE = dict(LONGSEQ_AUTO, memory_budget_bytes=3.5e6)
 CASES = [("gpt-tiny", dict(MEGATRON, recompute="full")), ("gpt-tiny", dict(MEGATRON, recompute="none")),
          ("hf-llama-tiny", {"strategy": "dp", "recompute": "full"}),
          ("hf-llama-tiny", {"strategy": "dp", "recompute": "none"}),
-         ("gpt-tiny", {"strategy": "zero3", "recompute": "full"}), ("gpt-longseq", LONGSEQ_AUTO)]
+         ("gpt-tiny", {"strategy": "zero3", "recompute": "full"}),
+         ("gpt-tiny", {"strategy": "zero3", "recompute": "none"}), ("gpt-longseq", LONGSEQ_AUTO),
+         ("gpt-longseq", LONGSEQ_SELECTIVE)]
 OFFLOAD = [("gpt-tiny", dict(MEGATRON, recompute="none", offload=True)),
            ("hf-llama-tiny", {"strategy": "dp", "recompute": "full", "offload": True}),
            ("gpt-tiny", {"strategy": "zero3", "recompute": "none", "offload": True})]
 SELECTIVE = [("gpt-tiny", dict(MEGATRON, recompute="selective")),
-             ("hf-llama-tiny", {"strategy": "dp", "recompute": "selective"})]
+             ("hf-llama-tiny", {"strategy": "dp", "recompute": "selective"}),
+             ("gpt-tiny", {"strategy": "zero3", "recompute": "selective"})]
 CASES += OFFLOAD + SELECTIVE
 WORLD = 4
 N_BLOCKS = {"gpt-tiny": 2, "hf-llama-tiny": 3, "gpt-longseq": 2}
@@ -66,8 +74,66 @@ def test_auto_recomputes_only_where_memory_needs_it_and_never_costs_time():
     with pytest.raises(AutoparError, match="no plan fits"):
         _plan("gpt-longseq", **LONGSEQ_AUTO, recompute="none")
     tight = _plan("gpt-longseq", **LONGSEQ_AUTO)
-    assert tight.recompute == ("blocks",) and tight.peak_memory_bytes_per_device <= 3e6
+    assert tight.recompute == ("blocks",) and tight.peak_memory_bytes_per_device <= 2.8e6
     assert tight.step_seconds >= free.step_seconds
+
+
+def test_auto_chooses_selective_recompute_where_it_is_enough():
+    auto = _plan("gpt-longseq", **LONGSEQ_SELECTIVE)
+    assert auto.recompute == ("blocks:attn",) and auto.peak_memory_bytes_per_device <= 3.5e6
+    full = _plan("gpt-longseq", **LONGSEQ_SELECTIVE, recompute="full")
+    assert auto.step_seconds < full.step_seconds  # recomputing the whole block would fit, slower
+    try:
+        none = _plan("gpt-longseq", **LONGSEQ_SELECTIVE, recompute="none")
+        assert none.step_seconds >= auto.step_seconds
+    except AutoparError as exc:
+        assert "no plan fits" in str(exc)
+    # tighter, only whole blocks fit
+    assert _plan("gpt-longseq", **LONGSEQ_AUTO).recompute == ("blocks",)
+
+
+@pytest.fixture(scope="module")
+def auto_under_3_1mb():
+    return _plan("gpt-longseq", **dict(LONGSEQ_AUTO, memory_budget_bytes=3.1e6))
+
+
+def test_a_plan_whose_walk_exceeds_the_budget_is_never_returned(auto_under_3_1mb):
+    # attention-only recompute fits 3.1 MB in the ILP's row (3.10 MB) but walks to 3.46 MB with
+    # the gradients in flight; no tighter row fits with it, so the pinned mode has no plan (the
+    # re-solve once kept the 3.46 MB plan), and the free choice re-solves to one that walks under
+    with pytest.raises(AutoparError, match="no plan fits"):
+        _plan("gpt-longseq", **dict(LONGSEQ_AUTO, memory_budget_bytes=3.1e6), recompute="selective")
+    auto = auto_under_3_1mb
+    assert auto.recompute == ("blocks",) and auto.peak_memory_bytes_per_device <= 3.1e6
+
+
+def test_a_re_solve_stopped_by_the_clock_is_not_a_plan(monkeypatch, auto_under_3_1mb):
+    # the re-solve's answer counts only if it reached its optimum: one stopped by the wall clock
+    # depends on the machine's load (the ranks and the test process planned apart)
+    import dataclasses
+
+    from autopar import mesh_search
+    from autopar.cost_model.ilp import InfeasibleBudgetError, solve
+
+    problem = auto_under_3_1mb.problem  # with the recompute options
+    budget = 3.1e6
+    first = solve(problem, budget)
+    assert mesh_search.evaluate(problem, first.choice).peak_memory_bytes > budget  # the walk is over the row's plan
+    fit = mesh_search.solve_mesh(problem, budget, 60.0, first=first)
+    assert fit.prediction.peak_memory_bytes <= budget
+    monkeypatch.setattr(mesh_search, "solve", lambda *a, **k: dataclasses.replace(solve(*a, **k),
+                                                                                   status="Time limit reached"))
+    with pytest.raises(InfeasibleBudgetError, match="gradients in flight"):
+        mesh_search.solve_mesh(problem, budget, 60.0, first=first)
+
+
+@pytest.mark.slow
+def test_auto_selective_run_recomputes_the_attention(results):
+    r = results[case_key(("gpt-longseq", LONGSEQ_SELECTIVE))]
+    assert "error" not in r, r["error"]
+    # the planner's choice, run: equal to one process and bytes = predicted are checked with
+    # every case (test_recomputed_run_equals_single_process_and_bytes_match_plan)
+    assert r["recompute"] == ["blocks:attn"] and len(r["checkpointed"]) == N_BLOCKS["gpt-longseq"]
 
 
 def test_selective_recomputes_the_attention_of_each_block_only():
@@ -167,10 +233,12 @@ def test_pipeline_stages_recompute_hold_only_block_inputs_in_flight():
     assert autopar.Plan.from_json(full.to_json()).pipeline.recompute
 
 
-# The memory model against the run (bench/memtrack.py on rank 0, second step): ZeRO-3's
-# gathered weights and whole gradients in flight are not in the step walk yet (README), so
-# its cases are left out of the peak check.
-PEAK_CASES = [c for c in CASES if c[1].get("strategy") in ("megatron-dp", "dp")]
+# The memory model against the run (bench/memtrack.py on rank 0, second step), ZeRO-3 included:
+# its gathered units (the one landing and the one prefetched), re-gathers and whole gradients in
+# flight to their reduce-scatters are in the walk (cost_model/fsdp_memory.py); without them the
+# walk was 48% under on the zero3 case (659 KB predicted, 1,243 KB measured). Under attention-only
+# recompute the attention's weights come from its recompute, not the unit's re-gather (was 0.895).
+PEAK_CASES = [c for c in CASES if c[1].get("strategy") in ("megatron-dp", "dp", "zero3")]
 
 
 @pytest.mark.slow

@@ -93,16 +93,17 @@ def test_summa_panel_loop_is_chosen_where_whole_panels_do_not_fit_and_priced_as_
     # the gathered activation panels kept for backward would exceed, linear layers run SUMMA's
     # broadcast loop on their stored blocks, and the plan prices its broadcasts and reduces.
     free = _plan("gpt-tiny", 4, "2d")
-    # 0.82 MB: under the free plan's memory row (the ILP's sum, 0.90 MB; activations are what
-    # autograd saves, cost_model/saved_inputs.py), over SUMMA's
-    tight = _plan("gpt-tiny", 4, "2d", memory_budget_bytes=0.82e6)
+    # 0.86 MB: under the free plan's memory row (the ILP's sum, 0.90 MB; activations are what
+    # autograd saves, cost_model/saved_inputs.py) and its walked peak (1.03 MB, the head's
+    # gradients in flight), over SUMMA's walk (0.84 MB)
+    tight = _plan("gpt-tiny", 4, "2d", memory_budget_bytes=0.86e6)
 
     def summa_nodes(plan):
         return [n.name for n, st in _decisions(plan) if n.op == "call_function" and summa_axes(n, st)]
 
     assert not summa_nodes(free) and "broadcast" not in free.comm_bytes
     assert summa_nodes(tight) and tight.comm_bytes["broadcast"] > 0 and tight.comm_bytes["reduce"] > 0
-    assert tight.peak_memory_bytes_per_device <= 0.82e6 < free.param_state_bytes + free.activation_bytes
+    assert tight.peak_memory_bytes_per_device <= 0.86e6 < free.param_state_bytes + free.activation_bytes
     assert tight.step_seconds > free.step_seconds  # more messages: the price of the memory
 
 

@@ -14,7 +14,7 @@ from dist_cases import build, case_key  # noqa: E402
 from test_runtime import assert_matches_single_process, assert_runs_as_planned, case_id  # noqa: E402
 
 LONG_SEQ_BUDGET = 3.5e6  # bytes per device: fits with the sequence split (3.25 MB), not without (megatron needs 4.14 MB)
-SUMMA_BUDGET = 0.82e6  # 2D under this budget runs linear layers by SUMMA's panel loop (free 2D plan: 0.90 MB memory row)
+SUMMA_BUDGET = 0.86e6  # 2D under this budget runs linear layers by SUMMA's panel loop (free 2D plan: 0.90 MB memory row, 1.03 MB walked)
 CASES_BY_WORLD = {
     4: [(m, f, None) for m in ("gpt-tiny", "bert-tiny") for f in ("2d", "ulysses", "ring", "megatron-sp")]
        + [("gpt-tiny", "ring", "sp=4"), ("gpt-tiny", "2d", None, {"memory_budget_bytes": SUMMA_BUDGET}),
