@@ -175,6 +175,15 @@ def _parse_bytes(text: str) -> float:
     return value * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit]
 
 
+def _offload_option(value: str | None) -> bool | str | list[str]:
+    """``--offload`` as ``autopar.plan`` takes it: absent False, bare or ``all`` True, ``auto``, or groups."""
+    if value is None:
+        return False
+    if value in ("all", "auto"):
+        return True if value == "all" else "auto"
+    return [g.strip() for g in value.split(",") if g.strip()]
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .cost_model.hardware import get_hardware
     from .mesh import MeshSpec
@@ -194,7 +203,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     result = plan(model, args.gpus, example_inputs, hardware=args.hardware, mesh=args.mesh,
                   strategy=args.strategy, memory_budget_bytes=budget, optimizer=args.optimizer,
                   model_name=args.model, progress=not args.quiet, baselines=not args.no_baselines,
-                  recompute=args.recompute, offload=args.offload)
+                  recompute=args.recompute, offload=_offload_option(args.offload))
     print(format_report(result))
     if args.json:
         result.to_json(args.json)
@@ -291,8 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="auto", choices=("auto", "none", "full", "selective"),
                    help="activation recompute of repeated blocks: the planner's choice (auto, default), "
                         "none, every block (full), or each block's attention (selective)")
-    p.add_argument("--offload", action="store_true",
-                   help="ZeRO-Offload: optimizer state and fp32 master weights in host memory, the step on the host CPU")
+    p.add_argument("--offload", nargs="?", const="all", default=None, metavar="all|auto|GROUPS",
+                   help="ZeRO-Offload: optimizer state and fp32 master weights in host memory, the step on the host "
+                        "CPU; every parameter (all, the default of a bare --offload), only the groups the budget "
+                        "needs (auto), or comma-separated groups (blocks.*.mlp.fc_in.weight,...)")
     p.add_argument("--json", default=None, help="write the plan as JSON to this path")
     p.add_argument("--html", default=None, help="also write a self-contained HTML report (inline SVG plots) here")
     p.add_argument("--no-baselines", action="store_true", help="skip pricing the baselines")

@@ -95,6 +95,9 @@ class Plan:
     recompute: tuple[str, ...] = ()
     # ZeRO-Offload (cost_model/offload.py): optimizer state per device kept in host memory
     host_bytes: float = 0.0
+    # Per-group offload: the parameters (targets) whose state is on the host, the rest stepped on
+    # the device; empty with host bytes: every parameter (autopar/offload_search.py)
+    offload_params: tuple[str, ...] = ()
     # A pipelined plan: each model chunk's own plan (one micro-batch on the stage mesh, its
     # graph a piece cut by passes/split_stages), in model order; runtime/pipeline.py runs them.
     stage_plans: tuple["Plan", ...] = ()
@@ -161,6 +164,7 @@ class Plan:
             "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
             "recompute": list(self.recompute),
             "host_bytes_per_device": self.host_bytes,
+            "offload_params": list(self.offload_params),
             "stage_plans": [p.to_dict() for p in self.stage_plans],
         }
 
@@ -233,6 +237,7 @@ class Plan:
             graph_fingerprint=str(d.get("graph_fingerprint", "")),
             recompute=tuple(str(x) for x in d.get("recompute", ())),
             host_bytes=float(d.get("host_bytes_per_device", 0.0)),
+            offload_params=tuple(str(x) for x in d.get("offload_params", ())),
             step_peak_bytes=(float(pred["step_peak_bytes_per_device"])
                              if pred.get("step_peak_bytes_per_device") is not None else None),
             bucket_bytes=float(pred.get("bucket_bytes_per_device", 0.0)),

@@ -26,12 +26,14 @@ import torch.fx as fx
 from torch import nn
 
 from .cost_model.costs import TrainingSpec
+from .cost_model.offload import OffloadTargets
 from .cost_model.hardware import Hardware, get_hardware
 from .cost_model.recompute import chosen_recompute
 from . import forking
 from .errors import AutoparError, BadArgumentError
 from .plan_arguments import check_plan_arguments
 from .mesh import MeshSpec
+from .offload_search import offload_plan
 from .mesh_search import QUIET, Bound, Progress, Solved, mesh_bounds, plan_bound, search_quiet, search_with_zero2
 from .passes.annotate import annotate
 from .pipeline_info import microbatch_inputs
@@ -104,7 +106,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
          memory_budget_bytes: float | None = None, optimizer: str = "adamw", mixed_precision: bool | None = None,
          example_kwargs: dict | None = None, model_name: str | None = None, time_limit_s: float = 60.0,
          baselines: bool = True, progress: bool = False, pipeline: bool = True, recompute: str = "auto",
-         offload: bool = False) -> Plan:
+         offload: bool | str | Sequence[str] = False) -> Plan:
     """Plan training ``model`` on ``n_gpus`` devices of ``hardware`` (see module doc).
 
     ``mesh`` pins the mesh (``"dp=2,tp=4"``); ``strategy`` pins a family (one of
@@ -112,9 +114,16 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     ``pipeline=False`` keeps ``auto`` from choosing pipeline stages (``autopar.pipeline_search``).
     ``recompute`` is ``"auto"`` (the ILP decides per run of repeated blocks whether to recompute
     its activations), ``"full"`` (every block recomputed) or ``"none"`` (``cost_model.recompute``).
-    ``offload=True`` keeps optimizer state in host memory and steps it there (``cost_model.offload``;
-    planned only: the runtime does not run it yet).
+    ``offload=True`` keeps optimizer state in host memory and steps it there (``cost_model.offload``);
+    ``offload="auto"`` offloads only the parameter groups the budget needs, a list of groups or
+    parameter names pins them (``autopar.offload_search``).
     """
+    if not isinstance(offload, (bool, OffloadTargets)):  # "auto", or groups: autopar/offload_search.py
+        return offload_plan(plan, model, n_gpus, example_inputs, offload, dict(
+            hardware=hardware, mesh=mesh, strategy=strategy, memory_budget_bytes=memory_budget_bytes,
+            optimizer=optimizer, mixed_precision=mixed_precision, example_kwargs=example_kwargs,
+            model_name=model_name, time_limit_s=time_limit_s, baselines=baselines, progress=progress,
+            pipeline=pipeline, recompute=recompute))
     t0 = time.perf_counter()
     say = Progress(progress, t0)
     check_plan_arguments(model, n_gpus, memory_budget_bytes, model_name)
@@ -125,7 +134,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     # is not (CPUs, a calibrated CPU profile included)
     default_mp = hw.peak_flops > 1.5 * hw.peak_flops_fp32
     train = TrainingSpec(optimizer, default_mp if mixed_precision is None else mixed_precision, recompute,
-                         bool(offload))
+                         offload if isinstance(offload, OffloadTargets) else bool(offload))
     budget = float(memory_budget_bytes) if memory_budget_bytes is not None else float(hw.memory_bytes)
     gm = model if isinstance(model, fx.GraphModule) else trace(model, example_inputs, example_kwargs,
                                                                  stack_traces=False)
@@ -197,6 +206,8 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     annotate(gm, best.mesh)  # leave the graph annotated for the chosen mesh
     result = _to_plan(gm, best, hw, train, budget, strategy, baseline_results, n_gpus,
                       model_name or type(model).__name__, n_solved, time.perf_counter() - t0, search_note)
+    if isinstance(offload, OffloadTargets):
+        result = dataclasses.replace(result, offload_params=tuple(offload))
     if strategy == "auto" and mesh is None and n_gpus > 1 and pipeline:
         result = pipeline_if_faster(gm, result, n_gpus, hw, train, budget, result.model, t0, plan, micro_graph,
                                     tuple(baseline_results), say)

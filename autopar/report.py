@@ -7,6 +7,7 @@ import re
 from collections import OrderedDict
 
 from .cost_model.comm import p2p_s
+from .cost_model.offload import parameter_group
 from .plan import Plan
 
 __all__ = ["format_report", "stage_rows", "bubble_share", "block_rows", "gib", "ms"]
@@ -134,7 +135,7 @@ def format_report(plan: Plan, max_rows: int = 40) -> str:
                                                 else ""),
         "activation recompute  " + (", ".join(_recompute_text(p) for p in plan.recompute) or "none"),
         *([f"host memory / device  {gib(plan.host_bytes)}  (optimizer state, fp32 master weights and gradient "
-           f"buffer offloaded; "
+           f"buffer offloaded{_offloaded_groups(plan)}; "
            f"the step runs on the host)"] if plan.host_bytes else []),
         *_parallelism_lines(plan),
         *_pipeline_lines(plan),
@@ -177,3 +178,12 @@ def _recompute_text(entry: str) -> str:
     """``blocks`` -> every block recomputed; ``blocks:attn`` -> each block's attention (selective)."""
     prefix, _, segment = entry.partition(":")
     return f"{prefix} (each block's {segment}, selective)" if segment else f"{entry} (every block, full)"
+
+
+def _offloaded_groups(plan: Plan) -> str:
+    """`` of 4 groups (blocks.*.mlp.fc.weight, ...)``: what a per-group offload moved."""
+    if not plan.offload_params:
+        return ""
+    groups = sorted({parameter_group(t) for t in plan.offload_params})
+    shown = ", ".join(groups[:4]) + (", ..." if len(groups) > 4 else "")
+    return f" for {len(groups)} parameter group{'s' if len(groups) > 1 else ''} ({shown})"

@@ -60,15 +60,18 @@ class TrainingSpec:
     # or "auto" (the ILP chooses per block run)
     recompute: str = "auto"
     # ZeRO-Offload: optimizer state and fp32 master weights in host memory, the step on the host
-    # CPU (cost_model/offload.py)
-    offload: bool = False
+    # CPU (cost_model/offload.py): True for every parameter, or a tuple of the parameter names
+    # (targets) offloaded, the rest stepped on the device
+    offload: bool | tuple[str, ...] = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise BadArgumentError(
                 f"unknown optimizer {self.optimizer!r}; pick one of {', '.join(OPTIMIZER_STATE_BYTES)}")
-        if not isinstance(self.offload, bool):
-            raise BadArgumentError(f"offload={self.offload!r} is not a switch; pass offload=True or False")
+        if not isinstance(self.offload, bool) and not (
+                isinstance(self.offload, tuple) and all(isinstance(t, str) for t in self.offload)):
+            raise BadArgumentError(f"offload={self.offload!r} is neither a switch nor parameter names; pass "
+                                   "offload=True or False, or a tuple of the parameter names to offload")
         if self.recompute not in RECOMPUTE_MODES:
             raise BadArgumentError(f"recompute={self.recompute!r} is not a recompute mode; pick one of "
                                f"{', '.join(RECOMPUTE_MODES)} ('full' recomputes every repeated block's "

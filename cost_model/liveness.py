@@ -127,7 +127,7 @@ def backward_transient_peaks(problem, choice: dict[str, int]) -> tuple[float, fl
         if d.is_param:
             st, zero = d.options[choice[key]]
             grads = max(grads, device_parts(d.node.meta["val"].numel(), st.output, problem.mesh, problem.train,
-                                            zero).grads)
+                                            zero, str(d.node.target)).grads)
     return ops, grads
 
 
@@ -160,7 +160,8 @@ def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -
         i = choice[key]
         if d.is_param:
             st, zero = d.options[i]
-            parts = device_parts(d.node.meta["val"].numel(), st.output, problem.mesh, problem.train, zero)
+            parts = device_parts(d.node.meta["val"].numel(), st.output, problem.mesh, problem.train, zero,
+                                 str(d.node.target))
             persistent += (parts.weights + parts.state + parts.bucket) * d.count
             bucket += parts.bucket * d.count
             # its gradient exists from the backward of its last reader in the forward on

@@ -34,9 +34,27 @@ from .costs import OPTIMIZER_STATE_BYTES, TrainingSpec
 from .hardware import Hardware
 
 __all__ = ["param_option_cost", "DeviceParts", "device_parts", "HostMemory", "add_host_memory", "host_bytes",
-           "HOST_MASTER_AND_GRAD_BYTES"]
+           "HOST_MASTER_AND_GRAD_BYTES", "offloads", "parameter_group", "OffloadTargets"]
 
 HOST_MASTER_AND_GRAD_BYTES = 8  # per element on the host besides the moments: fp32 master + fp32 gradient
+
+
+class OffloadTargets(tuple):
+    """The parameter names (targets) a per-group offload keeps on the host, as
+    ``TrainingSpec.offload`` holds them (``autopar/offload_search.py`` expands groups to these)."""
+
+
+def offloads(train: TrainingSpec, target: str) -> bool:
+    """Whether the parameter at ``target`` keeps its optimizer state on the host: every one
+    under ``offload=True``, the named ones under a tuple of names (per-group offload)."""
+    return train.offload is True or (isinstance(train.offload, tuple) and target in train.offload)
+
+
+def parameter_group(target: str) -> str:
+    """The group a per-group offload moves as one: the parameter's role in every copy of a
+    repeated block (``blocks.3.mlp.fc.weight`` -> ``blocks.*.mlp.fc.weight``), since the cost
+    problem prices a repeated block's copies as one decision; else the parameter itself."""
+    return ".".join("*" if part.isdigit() else part for part in target.split("."))
 
 
 @dataclass(frozen=True)
@@ -54,7 +72,7 @@ class DeviceParts:
 
 
 def device_parts(numel: int, layout: Layout, mesh: MeshSpec, train: TrainingSpec,
-                 zero_axes: Sequence[int] = ()) -> DeviceParts:
+                 zero_axes: Sequence[int] = (), target: str = "") -> DeviceParts:
     """The device bytes of one parameter stored in ``layout``. A parameter replicated on some
     axis of size > 1 and not ZeRO-split has its gradient all-reduced through a flat bucket that
     the runtime allocates once and keeps (``runtime/grad_buckets.py``, as DDP's reducer does),
@@ -63,21 +81,21 @@ def device_parts(numel: int, layout: Layout, mesh: MeshSpec, train: TrainingSpec
     split = math.prod(mesh.sizes[a] for a in zero_axes)
     weights = local * train.param_bytes_per_elem
     grads = local * train.param_bytes_per_elem / split
-    state = 0.0 if train.offload else local * train.state_bytes_per_elem / split
+    state = 0.0 if offloads(train, target) else local * train.state_bytes_per_elem / split
     replicated = any(mesh.sizes[a] > 1 and layout.codes[a] == REPLICATE_CODE for a in range(mesh.ndim))
     bucket = local * train.activation_bytes_per_elem if replicated and not zero_axes else 0.0
     return DeviceParts(weights, grads, state, bucket)
 
 
 def param_option_cost(numel: int, layout: Layout, mesh: MeshSpec, hw: Hardware, train: TrainingSpec,
-                      zero_axes: Sequence[int] = ()) -> tuple[float, float, float]:
+                      zero_axes: Sequence[int] = (), target: str = "") -> tuple[float, float, float]:
     """(optimizer-step seconds, device bytes, host bytes) of one parameter stored in ``layout``;
     the device bytes include its gradient bucket slot (:func:`device_parts`)."""
-    parts = device_parts(numel, layout, mesh, train, zero_axes)
+    parts = device_parts(numel, layout, mesh, train, zero_axes, target)
     local = numel * layout.local_fraction(mesh)
     split = math.prod(mesh.sizes[a] for a in zero_axes)
     weights, grads = parts.weights, parts.grads
-    if not train.offload:
+    if not offloads(train, target):
         if hw.optimizer_params_per_s > 0 and train.optimizer in ("adam", "adamw"):
             # the measured rate of torch's AdamW on this device (autopar calibrate)
             return local / split / hw.optimizer_params_per_s, parts.total, 0.0
@@ -107,8 +125,8 @@ def add_host_memory(problem, hw: Hardware, train: TrainingSpec) -> None:
     for key, d in problem.decisions.items():
         if d.is_param:
             numel = d.node.meta["val"].numel()
-            host.per_option[key] = [param_option_cost(numel, st.output, problem.mesh, hw, train, zero)[2] * d.count
-                                    for st, zero in d.options]
+            host.per_option[key] = [param_option_cost(numel, st.output, problem.mesh, hw, train, zero,
+                                                      str(d.node.target))[2] * d.count for st, zero in d.options]
     problem.host = host
 
 

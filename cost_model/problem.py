@@ -267,7 +267,8 @@ class _Builder:
         if is_param:
             # the optimizer step, on the device or (offload) on the host: cost_model/offload.py.
             # ZeRO-2's collectives are added by add_root (zero2_steps).
-            sec, mem, _ = param_option_cost(n.meta["val"].numel(), st.output, mesh, hw, train, zero_axes)
+            sec, mem, _ = param_option_cost(n.meta["val"].numel(), st.output, mesh, hw, train, zero_axes,
+                                            str(n.target))
             return sec, mem
         if n.op in ("placeholder", "get_attr"):
             return 0.0, _tensor_bytes(n.meta["val"], train) * st.output.local_fraction(mesh)

@@ -98,6 +98,7 @@ def run_case(name: str, options: dict) -> dict:
                 predicted_activation_bytes=pm.plan.activation_bytes,
                 strategies={n.name: n.strategy for n in pm.plan.nodes},
                 offloaded=bool(host), host_bytes=host_bytes, predicted_host_bytes=pm.plan.host_bytes,
+                offload_params=list(pm.plan.offload_params),
                 device_state_bytes=state_bytes,
                 predicted_device_state_bytes=pm.plan.param_state_bytes - pm.plan.bucket_bytes,  # buckets apart
                 predicted_bucket_bytes=pm.plan.bucket_bytes,

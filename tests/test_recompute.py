@@ -41,6 +41,11 @@ CASES = [("gpt-tiny", dict(MEGATRON, recompute="full")), ("gpt-tiny", dict(MEGAT
 OFFLOAD = [("gpt-tiny", dict(MEGATRON, recompute="none", offload=True)),
            ("hf-llama-tiny", {"strategy": "dp", "recompute": "full", "offload": True}),
            ("gpt-tiny", {"strategy": "zero3", "recompute": "none", "offload": True})]
+# per-group offload: under 1.35 MB gpt-tiny's Megatron-DP plan needs 1.43 MB without offload and
+# 0.94 MB with every parameter offloaded; the planner offloads the two largest groups (both MLP
+# weights of every block; autopar/offload_search.py)
+PARTIAL_OFFLOAD = ("gpt-tiny", dict(MEGATRON, recompute="none", offload="auto", memory_budget_bytes=1.35e6))
+OFFLOAD.append(PARTIAL_OFFLOAD)
 SELECTIVE = [("gpt-tiny", dict(MEGATRON, recompute="selective")),
              ("hf-llama-tiny", {"strategy": "dp", "recompute": "selective"}),
              ("gpt-tiny", {"strategy": "zero3", "recompute": "selective"})]
@@ -125,6 +130,35 @@ def test_a_re_solve_stopped_by_the_clock_is_not_a_plan(monkeypatch, auto_under_3
                                                                                    status="Time limit reached"))
     with pytest.raises(InfeasibleBudgetError, match="gradients in flight"):
         mesh_search.solve_mesh(problem, budget, 60.0, first=first)
+
+
+def test_auto_offloads_only_the_groups_the_budget_needs():
+    budget = PARTIAL_OFFLOAD[1]["memory_budget_bytes"]
+    opts = {k: v for k, v in PARTIAL_OFFLOAD[1].items() if k not in ("offload", "memory_budget_bytes")}
+    none, whole = _plan("gpt-tiny", **opts), _plan("gpt-tiny", **opts, offload=True)
+    assert none.peak_memory_bytes_per_device > budget >= whole.peak_memory_bytes_per_device  # the premise
+    auto = _plan("gpt-tiny", **PARTIAL_OFFLOAD[1])
+    n_params = len(dict(build("gpt-tiny")[0].named_parameters()))
+    assert 0 < len(auto.offload_params) < n_params
+    assert auto.peak_memory_bytes_per_device <= budget
+    assert 0 < auto.host_bytes < whole.host_bytes and auto.step_seconds < whole.step_seconds
+    assert autopar.Plan.from_json(auto.to_json()).offload_params == auto.offload_params
+    # no memory pressure: nothing offloaded
+    assert _plan("gpt-tiny", **opts, offload="auto").host_bytes == 0
+    # groups pinned by name: every copy of the role; a name the model lacks is refused with its groups
+    pinned = _plan("gpt-tiny", **opts, offload=["blocks.*.attn.q_proj.weight"])
+    assert pinned.offload_params == ("blocks.0.attn.q_proj.weight", "blocks.1.attn.q_proj.weight")
+    with pytest.raises(AutoparError, match="neither parameters nor parameter groups.*blocks"):
+        _plan("gpt-tiny", **opts, offload=["blocks.*.nothing"])
+
+
+@pytest.mark.slow
+def test_partial_offload_run_keeps_only_those_groups_on_the_host(results):
+    r, whole = results[case_key(PARTIAL_OFFLOAD)], results[case_key(OFFLOAD[0])]
+    assert "error" not in r, r["error"]
+    # equal to one process, bytes = predicted (test_recomputed_run_...), host bytes = predicted
+    # (test_offloaded_state_...); here: only part of the state went to the host
+    assert 0 < len(r["offload_params"]) and 0 < r["host_bytes"] < whole["host_bytes"]
 
 
 @pytest.mark.slow
