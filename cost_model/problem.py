@@ -400,17 +400,14 @@ class _Builder:
                     producers[skey].add(f"{u.name}[{out_idx}]")
                     sync_acc[skey].sources.setdefault(vkey, set()).add(f"{u.name}[{out_idx}]")
         edges = list(edge_acc.values())
-        # Many edges move a tensor of the same size between the same layout lists (a block's
-        # linears reading one activation, the copies of a repeated block): their seconds tables
-        # are equal, so each distinct one is priced once and copied (dict.copy keeps the keys'
-        # hashes; rehashing the layout pairs was most of this function's time). The values are
-        # those of the direct computation: reshard_seconds(a, b) * count, in the same order.
+        # Edges moving equal-sized tensors between the same layout lists have equal tables: each is
+        # priced once and copied (dict.copy keeps the keys' hashes: rehashing layout pairs was most
+        # of this function's time); same values, same order as reshard_seconds(a, b) * count.
         tables: dict[tuple, tuple] = {}
         pair_seconds: dict[tuple, float] = {}  # (id(a), id(b), bytes, grad) -> reshard_seconds: ints hash fast
         panels: dict[tuple, dict] = {}  # saved_panel_bytes reads only these: op, is_param, the table's key
         for key, e in edge_acc.items():
-            # dict.fromkeys(layouts), cheaper: distinct objects first (ints hash in C, a Layout's
-            # hash is Python), then equal ones; the same layouts in the same order
+            # = dict.fromkeys(layouts), cheaper: by identity (C hashes) first, then equality (Python)
             pa = tuple(dict.fromkeys({id(x): x for x in e.producer_layouts}.values()))
             pb = tuple(dict.fromkeys({id(x): x for x in e.consumer_layouts}.values()))
             tkey = (tuple(map(id, pa)), tuple(map(id, pb)), e.total_bytes, e.needs_grad, e.count)
