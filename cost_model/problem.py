@@ -369,6 +369,7 @@ class _Builder:
         sync_acc: dict[tuple, SyncTerm] = {}
         edge_syncs: dict[tuple, list[tuple]] = {}  # edge key -> the sync keys it triggers
         producers: dict[tuple, set[str]] = defaultdict(set)  # sync key -> the actual tensors behind it
+        first: dict[tuple, tuple[fx.Node, fx.Node]] = {}  # edge key -> its first copy's (producer, consumer)
         for v in self.nodes:
             vkey = self.rep[v.name]
             if vkey in self.followers:
@@ -385,15 +386,11 @@ class _Builder:
                 if key in edge_acc:
                     edge_acc[key].count += 1
                 else:
-                    consumer_layouts = [st.inputs[k] for st, _ in dv.options]
-                    seconds = {}
-                    for a in dict.fromkeys(producer_layouts):
-                        for b in dict.fromkeys(consumer_layouts):
-                            seconds[(a, b)] = reshard_seconds(a, b, total, self.mesh, grad)
-                    edge_acc[key] = EdgeTerm(ukey, vkey, producer_layouts, consumer_layouts, seconds,
-                                             total_bytes=total, needs_grad=grad,
-                                             tensor=f"{self.rep[u.name]}[{out_idx}]", input_index=k,
-                                             memory=self.saved_panel_bytes(u, v, k, ukey, total, seconds))
+                    # seconds and memory are filled in below, once the edge's copies are counted
+                    edge_acc[key] = EdgeTerm(ukey, vkey, producer_layouts, [st.inputs[k] for st, _ in dv.options],
+                                             {}, total_bytes=total, needs_grad=grad,
+                                             tensor=f"{self.rep[u.name]}[{out_idx}]", input_index=k)
+                    first[key] = (u, v)
                     edge_syncs[key] = (self.add_syncs(sync_acc, (self.rep[u.name], out_idx), dv, k, total)
                                        if grad else [])
                 edge_acc[key].sources.append(f"{u.name}[{out_idx}]")
@@ -402,12 +399,40 @@ class _Builder:
                     producers[skey].add(f"{u.name}[{out_idx}]")
                     sync_acc[skey].sources.setdefault(vkey, set()).add(f"{u.name}[{out_idx}]")
         edges = list(edge_acc.values())
-        for e in edges:
-            if e.count > 1:
-                e.seconds = {ab: c * e.count for ab, c in e.seconds.items()}
-            if e.memory:  # each copy's own op says whether it keeps the tensor for backward
+        # Edges moving equal-sized tensors between the same layout lists have equal tables: each is
+        # priced once and copied (dict.copy keeps the keys' hashes: rehashing layout pairs was most
+        # of this function's time); same values, same order as reshard_seconds(a, b) * count.
+        tables: dict[tuple, tuple] = {}
+        pair_seconds: dict[tuple, float] = {}  # (id(a), id(b), bytes, grad) -> reshard_seconds: ints hash fast
+        panels: dict[tuple, dict] = {}  # saved_panel_bytes reads only these: op, is_param, the table's key
+        for key, e in edge_acc.items():
+            # = dict.fromkeys(layouts), cheaper: by identity (C hashes) first, then equality (Python)
+            pa = tuple(dict.fromkeys({id(x): x for x in e.producer_layouts}.values()))
+            pb = tuple(dict.fromkeys({id(x): x for x in e.consumer_layouts}.values()))
+            tkey = (tuple(map(id, pa)), tuple(map(id, pb)), e.total_bytes, e.needs_grad, e.count)
+            hit = tables.get(tkey)
+            if hit is None:
+                table, count = {}, e.count
+                for a in pa:
+                    for b in pb:
+                        pkey = (id(a), id(b), e.total_bytes, e.needs_grad)
+                        c = pair_seconds.get(pkey)
+                        if c is None:
+                            c = pair_seconds[pkey] = reshard_seconds(a, b, e.total_bytes, self.mesh, e.needs_grad)
+                        table[(a, b)] = c * count if count > 1 else c
+                hit = tables[tkey] = (pa, pb, table)  # pa, pb held so their ids stay valid
+            e.seconds = hit[2].copy()
+            u, v = first[key]
+            mkey = (tkey, v.target, self.decisions[e.producer].is_param)
+            memory = panels.get(mkey)
+            if memory is None:
+                memory = panels[mkey] = self.saved_panel_bytes(u, v, e.input_index, e.producer, e.total_bytes,
+                                                               hit[2])
+            memory = memory.copy()
+            if memory:  # each copy's own op says whether it keeps the tensor for backward
                 keeping = sum(saves_input(t, e.input_index, self.needs) for t in e.targets)
-                e.memory = {ab: m * keeping for ab, m in e.memory.items()} if keeping else {}
+                memory = {ab: m * keeping for ab, m in memory.items()} if keeping else {}
+            e.memory = memory
         for skey, sync in sync_acc.items():
             # One all-reduce per actual tensor: a repeated block's copies each have their own,
             # and a block's input comes from a different producer in the first block.
