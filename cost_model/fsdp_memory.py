@@ -17,8 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .blocks import block_of
-from .fsdp_pricing import fsdp_axis
-from .problem import partial_grad_axes
+from .fsdp_pricing import fused_gathers
 from .saved_inputs import saves_input
 
 __all__ = ["GatheredUnit", "gathered_units", "param_unit", "IN_FLIGHT"]
@@ -77,15 +76,8 @@ def gathered_units(problem, choice: dict[str, int], segment_keys: frozenset[str]
     by_recompute: dict[str, dict[str, float]] = defaultdict(dict)
     first: dict[str, int] = {}
     runs: dict[str, str | None] = {}
-    for e in problem.edges:
+    for e, _, b, _ in fused_gathers(problem, choice):
         producer = problem.decisions[e.producer]
-        if not (e.needs_grad and producer.is_param and e.tensor):
-            continue
-        a = e.producer_layouts[choice[e.producer]]
-        b = e.consumer_layouts[choice[e.consumer]]
-        st, _ = problem.decisions[e.consumer].options[choice[e.consumer]]
-        if fsdp_axis(a, b, partial_grad_axes(st, mesh), producer.options[choice[e.producer]][1]) is None:
-            continue
         nbytes = e.total_bytes * b.local_fraction(mesh)
         consumer = problem.decisions[e.consumer].node
         blk = block_of(consumer)

@@ -24,7 +24,7 @@ from .comm import unit_collective_s
 from .reshard import CommStep, transitions
 from .saved_inputs import saves_input
 
-__all__ = ["fsdp_axis", "fsdp_fusions", "fsdp_unit_s", "fsdp_unit_shares"]
+__all__ = ["fsdp_axis", "fsdp_fusions", "fsdp_unit_s", "fsdp_unit_shares", "fused_gathers"]
 
 
 def fsdp_axis(src: Layout, dst: Layout, split: tuple[int, ...], zero: tuple[int, ...]) -> int | None:
@@ -48,7 +48,7 @@ def fsdp_fusions(problem: Problem, choice: dict[str, int], recomputed: frozenset
     mesh = problem.mesh
     fused: set[tuple] = set()
     regathers: list[tuple[CommStep, int, str]] = []
-    for e, _, b, axis in _fused_gathers(problem, choice):
+    for e, _, b, axis in fused_gathers(problem, choice):
         consumer = problem.decisions[e.consumer]
         fused.add((e.tensor, axis, b))
         # each copy asks its own node: the first block's layer may keep no weight (its input needs
@@ -62,7 +62,7 @@ def fsdp_fusions(problem: Problem, choice: dict[str, int], recomputed: frozenset
     return fused, [(step, saving, shares.get(param, 1.0)) for step, saving, param in regathers]
 
 
-def _fused_gathers(problem: Problem, choice: dict[str, int]):
+def fused_gathers(problem: Problem, choice: dict[str, int]):
     """(edge, producer layout, consumer layout, axis) of every ZeRO-3 gather fused with its sync."""
     for e in problem.edges:
         producer = problem.decisions[e.producer]
@@ -87,7 +87,7 @@ def fsdp_unit_shares(problem: Problem, choice: dict[str, int]) -> dict[str, floa
     grouped: dict[str, bool] = defaultdict(lambda: True)
     params: dict[str, str] = {}
     mesh = problem.mesh
-    for e, a, _, axis in _fused_gathers(problem, choice):
+    for e, a, _, axis in fused_gathers(problem, choice):
         unit = unit_key(str(problem.decisions[e.producer].node.target))
         alone = all(c == REPLICATE_CODE or x == axis or mesh.sizes[x] == 1 for x, c in enumerate(a.codes))
         grouped[unit] = grouped[unit] and alone
