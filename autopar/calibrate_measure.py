@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import AutoparError
+from .optim.cpu_kernels import adam_step
 
 __all__ = ["CalibrationError", "measure_device", "rank_measure", "spawn_ranks"]
 
@@ -82,7 +83,6 @@ def _host_adam_params_per_s(window_s: float) -> float:
     ``autopar.optim.cpu_kernels.adam_step`` (csrc/'s fused kernel, or its torch fallback), the
     call ``runtime/offload.py`` makes per parameter, over eight layer-sized fp32 tensors, on
     this rank's threads (the profile's ``host_adam_params_per_s``, per device)."""
-    from autopar.optim.cpu_kernels import adam_step
 
     rows, cols = 512, 1024
     state = [[torch.randn(rows, cols), torch.randn(rows, cols), torch.zeros(rows, cols), torch.zeros(rows, cols)]

@@ -29,7 +29,7 @@ from .cost_model.costs import TrainingSpec
 from .cost_model.offload import OffloadTargets
 from .cost_model.hardware import Hardware, get_hardware
 from .cost_model.recompute import chosen_recompute
-from . import forking
+from .forking import fork_is_safe
 from .errors import AutoparError, BadArgumentError
 from .plan_arguments import check_plan_arguments
 from .mesh import MeshSpec
@@ -277,7 +277,7 @@ class _Helper:
         self.pool = self.future = None
         self._bounds = self._baselines = None
         items = [(i, meshes_and_pins[i]) for i in sorted(self.indices)]
-        if forking.fork_is_safe():  # single-threaded only (autopar.forking)
+        if fork_is_safe():  # single-threaded only (autopar.forking)
             try:
                 import concurrent.futures as cf
                 import multiprocessing as mp

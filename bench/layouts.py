@@ -208,7 +208,8 @@ def main() -> None:
     devices = tuple(args.devices or (QUICK_DEVICES if args.quick else DEVICES))
     budget = args.memory_budget_gib * GIB if args.memory_budget_gib else None
     if args.serial:  # the planner forks a helper to bound meshes on the second core; keep to one
-        autopar.forking.fork_is_safe = lambda: False
+        autopar.forking.fork_is_safe = lambda: False  # the pipeline search's share_work
+        autopar.planner.fork_is_safe = lambda: False  # the mesh search's helper
     bad = [n for n in devices if args.batch % n]
     if bad:
         print(f"warning: batch {args.batch} does not divide {bad} devices; some meshes will be skipped",
