@@ -28,8 +28,9 @@ against the simulator's prediction for the same jobs with costs measured beforeh
    each job's work is short next to a launch (``auto_steps``) -- on
    CPU slots the planner's step times are the least reliable figure (the run prints measured
    against planned).
-4. Simulates the same jobs with the same policy on the planned table and the measured costs
-   (and, for diagnosis, on the probes' measured step times instead of the planned ones).
+4. Simulates the same jobs with the same policy on the planned table and the measured costs,
+   the slots sharing the profile's ``shared_cores`` (a job's steps slow down while more ranks
+   than cores train at once: ``JobModel.contention``; calibrated, not fitted to the run) (and, for diagnosis, on the probes' measured step times instead of the planned ones).
 5. Checks every job's loss trajectory against the same job trained alone in one process, and
    prints real vs simulated JCT per job. Results: ``bench/results/schedule_real.json``.
 """
@@ -48,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from autopar.cost_model.hardware import get_hardware
 from autopar.scheduler.elastic_worker import build, make_batch
 from autopar.scheduler.jobs import Job, JobModel
 from autopar.scheduler.optimus import Optimus
@@ -200,6 +202,7 @@ def main() -> int:
               + ", ".join(f"{n} ranks {costs['step_s'][n] * 1e3:.0f}/{planned[n] * 1e3:.0f}"
                           for n in sorted(planned)), flush=True)
         kw = {k: costs[k] for k in ("restart_overhead_s", "launch_s_per_process", "stop_s", "exit_s")}
+        kw["shared_cores"] = get_hardware(hw).shared_cores  # calibrated: the cores all the slots share
         model = JobModel(table, **kw)
         steps = auto_steps(model, b) if args.steps == "auto" else [int(x) for x in args.steps.split(",")]
         print(f"steps {steps}, arrivals {arrivals}", flush=True)

@@ -289,3 +289,22 @@ def test_a_job_exiting_when_its_allocation_changes_is_gone_at_its_finish_not_rel
     assert r.jct_s[0] == pytest.approx(6.0 + 100.0 + 5.0)  # launch 3 + 3 x 1 s, 100 s of work, exit
     assert r.jct_s[1] == pytest.approx(105.0 - 101.0 + 6.0 + 50.0 + 5.0)
     assert r.restarts == 0
+
+
+def test_jobs_on_cpu_slots_sharing_cores_slow_each_other_down():
+    """Two 2-slot jobs (100 s and 50 s alone) start together on 4 slots sharing 2 cores: 4 ranks
+    train at once, each at half a core, so both step at half their alone speed until the short
+    one is done (its 50 s of work takes 100 s); the long one then has 50 s of work left, alone
+    (2 ranks, 2 cores). Unshared (GPUs, the default) each runs at its table speed."""
+    jobs = [job(0, 0.0, 100.0, gpus=2), job(1, 0.0, 50.0, gpus=2)]
+    m = job_model()
+    assert m.contention(2, 4) == 1.0
+    r = simulate(jobs, make_policy("fifo"), m, 4, devices_per_node=4)
+    assert r.jct_s == pytest.approx({0: 100.0, 1: 50.0})
+    m.shared_cores = 2.0
+    assert [m.contention(n, busy) for n, busy in ((1, 1), (1, 2), (1, 4), (2, 4), (4, 4), (1, 3))] == \
+        [1.0, 1.0, 2.0, 2.0, 1.0, 1.5]  # 4 ranks of one job on 2 cores: its table time is already shared
+    r = simulate(jobs, make_policy("fifo"), m, 4, devices_per_node=4)
+    assert r.jct_s == pytest.approx({0: 150.0, 1: 100.0})
+    with pytest.raises(JobError, match="shared_cores"):
+        JobModel(m.table, shared_cores=-2.0)

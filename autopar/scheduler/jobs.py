@@ -75,6 +75,13 @@ class JobModel:
     it, as the controller does (a job still starting up has nothing to save: it stops at once);
     ``exit_s`` from a job's last step to its processes being gone (it counts in the JCT and the
     GPUs are free only then).
+
+    ``shared_cores``: the CPU cores the slots of one node share (the hardware profile's
+    ``Hardware.shared_cores``, which ``autopar calibrate`` measures; 0, the default: every GPU
+    computes on its own, nothing is shared). The table's step times are each job's alone; with
+    ``busy`` ranks of ours training on the node at once each rank runs at ``min(1, cores /
+    busy)`` of a core instead of ``min(1, cores / gpus)`` alone, so its steps take
+    :meth:`contention` times longer.
     """
 
     table: ThroughputTable
@@ -83,14 +90,23 @@ class JobModel:
     launch_s_per_process: float = 0.0
     stop_s: float = 0.0
     exit_s: float = 0.0
+    shared_cores: float = 0.0
     _memo: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("restart_overhead_s", "launch_s_per_process", "stop_s", "exit_s"):
+        for name in ("restart_overhead_s", "launch_s_per_process", "stop_s", "exit_s", "shared_cores"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise JobError(f"JobModel.{name} must be a finite number of seconds >= 0, got {value!r}; "
+                raise JobError(f"JobModel.{name} must be a finite number >= 0, got {value!r}; "
                                f"measure it with bench/schedule_real.py or leave the default")
+
+    def contention(self, gpus: int, busy: int) -> float:
+        """How many times longer a step of a job on ``gpus`` slots takes than alone while
+        ``busy`` ranks (its own included) train on a node whose slots share
+        ``shared_cores`` cores; exactly 1 where nothing is shared."""
+        if self.shared_cores <= 0:
+            return 1.0
+        return max(1.0, busy / self.shared_cores) / max(1.0, gpus / self.shared_cores)
 
     def launch_seconds(self, processes: int = 0) -> float:
         """Launch to first step with ``processes`` of ours alive (ranks of all jobs, launchers)."""

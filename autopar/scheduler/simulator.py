@@ -6,7 +6,9 @@ scheduling rounds. At each event the policy maps the active jobs to :class:`Allo
 cluster, powers of two, batches that fit), charges a restart or migration to every job whose
 allocation changed (:meth:`JobModel.migration_seconds`: no progress while it reloads; the
 launches of a round start together, after the round's stops, ``JobModel.stop_s``), places the
-changed jobs on nodes, and advances every running job at its goodput until the next event. A
+changed jobs on nodes, and advances every running job at its goodput until the next event (on
+CPU slots that share cores, ``JobModel.shared_cores``, slowed by the ranks training beside it:
+``JobModel.contention``). A
 job completes ``JobModel.exit_s`` after its last step (its GPUs are held until then); a policy
 that changes the allocation of such an exiting job gets what the real controller gets: nothing
 to stop or relaunch, the job is gone at its finish and the round's launches wait for it.
@@ -158,6 +160,19 @@ def _apply(decisions, active, cluster: Cluster, model: JobModel, now: float) -> 
                                    model.migration_seconds(st.job, st.alloc.gpus, procs))
 
 
+def _slowdown(st: JobState, running: list[JobState], model: JobModel) -> float:
+    """``JobModel.contention`` of a running job: on each node it uses, its ranks there against
+    every rank training there until the next event (jobs exiting train no more); the worst node."""
+    if model.shared_cores <= 0:
+        return 1.0
+    busy: dict[int, int] = {}
+    for other in running:
+        if other.work_done_s is None:
+            for node, count in other.placement:
+                busy[node] = busy.get(node, 0) + count
+    return max((model.contention(count, busy.get(node, count)) for node, count in st.placement), default=1.0)
+
+
 def simulate(jobs: Sequence[Job], policy: Policy, model: JobModel, total_gpus: int,
              devices_per_node: int = 8) -> SimResult:
     """Run ``jobs`` under ``policy`` until all finish; JCT is finish minus arrival."""
@@ -186,7 +201,8 @@ def simulate(jobs: Sequence[Job], policy: Policy, model: JobModel, total_gpus: i
         running = [st for st in active.values() if st.alloc is not None]
         timeline.append((now, sum(st.alloc.gpus for st in running if st.placement), len(running),
                          len(active) - len(running)))
-        rates = {st.job.job_id: model.goodput(st.job, st.alloc.gpus, st.alloc.batch, st.spans_nodes) for st in running}
+        rates = {st.job.job_id: model.goodput(st.job, st.alloc.gpus, st.alloc.batch, st.spans_nodes)
+                 / _slowdown(st, running, model) for st in running}
         t_next = pending[i].arrival_s if i < len(pending) else math.inf
         work_end = {jid: active[jid].work_done_s if active[jid].work_done_s is not None else
                     max(now, active[jid].paused_until) + active[jid].remaining / g for jid, g in rates.items()}
