@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from typing import Sequence
@@ -21,7 +22,7 @@ from .errors import AutoparError, BadArgumentError
 # scheduler, calibrate): start-up speed, so `autopar --help` or `autopar rules` does not load the
 # planner and the cost model. None of these dodges a cycle (tests/test_layers.py checks).
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 
 def _load_model(spec: str, batch_size: int | None, seq_len: int | None, device: str):
@@ -200,6 +201,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _writable(args.json, "--json")
     _writable(args.html, "--html")
     model, example_inputs = _load_model(args.model, args.batch, args.seq, "meta")
+    if getattr(args, "own_process", False):
+        # torch's modules, the model and the planner's code live until the process ends: frozen,
+        # the cyclic collector's full passes skip them (gpt2 on 8: 0.46 -> 0.28 s of them), here
+        # and in the planner's forked helpers. Only where this process is the command's own.
+        gc.freeze()
     result = plan(model, args.gpus, example_inputs, hardware=args.hardware, mesh=args.mesh,
                   strategy=args.strategy, memory_budget_bytes=budget, optimizer=args.optimizer,
                   model_name=args.model, progress=not args.quiet, baselines=not args.no_baselines,
@@ -334,8 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
+    """Run one command; ``own_process``: the process ends after it (``run``), so a command may
+    tune the process's garbage collector for its own speed (a caller's process is left alone)."""
     args = build_parser().parse_args(argv)
+    args.own_process = own_process
     try:
         return args.fn(args)
     except (AutoparError, KeyError, ValueError) as exc:
@@ -344,5 +353,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The process entry point (the ``autopar`` script, ``python -m autopar[.cli]``): ``main``,
+    then exit. Everything left is frozen first: the interpreter's collections at exit would
+    otherwise walk torch's and the plan's objects once more (0.6 s of `autopar plan gpt2 --gpus 8`)."""
+    code = main(own_process=True)
+    sys.stdout.flush()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
