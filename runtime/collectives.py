@@ -91,6 +91,7 @@ def gather_tensor(x: torch.Tensor, dim: int, g: AxisGroup) -> torch.Tensor:
     16 MiB more than this at the peak of the GPT head's backward under Megatron x dp and
     SUMMA 2D (bench/memwhere.py: ``empty_like`` and ``cat``, both the full logits' gradient)."""
     x = x.contiguous()
+    dim = dim % x.dim()
     buf = x.new_empty((g.size, *x.shape))
     dist.all_gather(list(buf.unbind(0)), x, group=g.group)
     out = buf.movedim(0, dim).flatten(dim, dim + 1)  # a view when dim is 0
