@@ -58,6 +58,7 @@ from autopar.cost_model.costs import TrainingSpec
 from autopar.cost_model.evaluate import shared_reshards
 from autopar.cost_model.fsdp_pricing import fsdp_fusions, fsdp_unit_s, fsdp_unit_shares
 from autopar.cost_model.liveness import backward_transient_peaks
+from autopar.cost_model.offload import device_parts
 from autopar.mesh import Link, MeshSpec
 from autopar.passes.annotate import annotate
 from autopar.passes.split_stages import block_container, split_stages
@@ -93,6 +94,15 @@ class _Part:
         return (self.batch_seconds, self.use_seconds, self.step_seconds, self.param_bytes, self.act_bytes)
 
 
+def _bucket_bytes(problem, d, i: int) -> float:
+    """The gradient bucket slot a parameter's device bytes include (``offload.device_parts``): a
+    pipeline stage has none, its syncs run once per step on ``.grad`` itself (``runtime.pipeline``).
+    Priced, they put 6 MiB on the fidelity GPT's last stage under pp=2 x dp=2 (bench/memwhere.py)."""
+    st, zero = d.options[i]
+    return device_parts(d.node.meta["val"].numel(), st.output, problem.mesh, problem.train, zero,
+                        str(d.node.target)).bucket * d.count
+
+
 def _split_costs(problem, choice: dict, regathers: bool = True) -> _Part:
     """A solved problem's predicted costs split as _Part says (the same terms evaluate() adds up);
     ``regathers=False``: less the backward re-gathers of ZeRO-3 weights (a recomputed block runs
@@ -103,7 +113,7 @@ def _split_costs(problem, choice: dict, regathers: bool = True) -> _Part:
         i = choice[key]
         if d.is_param:
             step += d.seconds[i]
-            params += d.memory_bytes[i]
+            params += d.memory_bytes[i] - _bucket_bytes(problem, d, i)
         else:
             batch += d.seconds[i]
             acts += d.memory_bytes[i]

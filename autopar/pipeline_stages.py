@@ -161,8 +161,9 @@ def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule:
                           recompute: bool, idle_speedup: float = 1.0) -> tuple[PipelineInfo, float]:
     """A PipelineInfo priced from the stage plans themselves (a pipeline pinned by hand), and
     the step time (schedule, then the once-per-step syncs and optimizer of the slowest device)."""
-    costs = [StageCost(p.step_seconds, p.param_state_bytes, p.activation_bytes, c.send_bytes, c.send_grad_bytes,
-                       transient_bytes=_grad_transient(p, m)) for p, c in zip(stages, stages.chunks)]
+    # no gradient buckets in a pipeline: its syncs run once per step on .grad (runtime.pipeline)
+    costs = [StageCost(p.step_seconds, p.param_state_bytes - p.bucket_bytes, p.activation_bytes, c.send_bytes,
+                       c.send_grad_bytes, transient_bytes=_grad_transient(p, m)) for p, c in zip(stages, stages.chunks)]
     pc = pipeline_cost(costs, schedule, m, pp_link, v, idle_speedup)
     tied_s = sum(t.seconds for t in stages.tied)
     starts = [sum(stage_blocks[:s]) for s in range(pp * v)]
@@ -219,7 +220,7 @@ def hand_pipeline_plan(model, example_inputs, n_gpus: int, *, pp: int, n_microba
     info, step = info_from_stage_plans(stages, pp, n_microbatches, v, schedule, sub, prefix, blocks, link, rc,
                                        hw.idle_speedup(n_gpus))
     worst = max(range(pp), key=lambda k: info.stages[k].peak_memory_bytes)
-    params = sum(stages[s].param_state_bytes for s in range(worst, n_stages, pp))
+    params = sum(stages[s].param_state_bytes - stages[s].bucket_bytes for s in range(worst, n_stages, pp))
     sent = {k: info.predicted_bytes(k) for k in range(pp)}
     busiest = max(range(pp), key=lambda k: sum(sent[k].values()))
     comm = max(n_microbatches * sum(stages[s].comm_seconds for s in range(k, n_stages, pp)) for k in range(pp))

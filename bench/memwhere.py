@@ -57,7 +57,9 @@ class PeakGroups(LiveBytes):
         before = self.peak_bytes
         super()._count(storage)
         if self.peak_bytes > before:
-            self.snapshot = [(self._refs.get(k), n, self.made_by.get(k, "?")) for k, (_, n) in self._storages.items()]
+            # a list first: a storage freed while this runs (a weak reference's callback) edits the dict
+            live = list(self._storages.items())
+            self.snapshot = [(self._refs.get(k), n, self.made_by.get(k, "?")) for k, (_, n) in live]
             self.snapshot_phase, self.snapshot_op = self.phase, self._op
 
     def _freed(self, key: int) -> None:

@@ -195,7 +195,7 @@ def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -
     segments = frozenset(k for t in getattr(problem, "recompute", ()) if t.prefix in chosen
                          and split_recompute_entry(t.prefix)[1] is not None for k in t.keys)
     z3 = _Zero3(gathered_units(problem, choice, segments), runs, chosen, lo)
-    points = [(persistent + pre_acts + kept_blocks + _walk(head, head_t) + z3.outside(after=True), "head backward")]
+    points = [(persistent + pre_acts + kept_blocks + _walk(head, z3.at_use(head_t, after=True)), "head backward")]
     points += [(persistent + before + extra, "forward gather")
                for before, extra in z3.forward(pre, head, ordered, pre_acts, kept_blocks)]
     earlier = kept_blocks
@@ -209,7 +209,7 @@ def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -
             points.append((persistent + pre_acts + earlier + j * keep + later_grads + (r.count - 1 - j) * r.grads
                            + max(inner + landing, r.grads + done), "block backward"))
         later_grads += r.count * r.grads
-    points.append((persistent + later_grads + _walk(pre, pre_t) + z3.outside(after=False), "embedding backward"))
+    points.append((persistent + later_grads + _walk(pre, z3.at_use(pre_t, after=False)), "embedding backward"))
     points.append((persistent + grads, "optimizer step"))
     peak, phase = max(points, key=lambda p: p[0])
     return StepMemory(peak, phase, persistent, bucket, grads, pre_acts + kept_blocks + sum(a for _, a, _ in head))
@@ -262,10 +262,28 @@ class _Zero3:
             return 0.0, 0.0
         return self._backward(self.index[prefix] + j)
 
-    def outside(self, after: bool) -> float:
-        """The largest backward extra of the units before (``after=False``) or after the blocks."""
-        return max((max(self._backward(i)) for i, u in enumerate(self.seq)
-                    if u.run is None and (u.first >= self.lo) == after), default=0.0)
+    def at_use(self, transients: list[tuple[int, float]], after: bool) -> list[tuple[int, float]]:
+        """``transients`` (position, bytes) of the ops before (``after=False``) or after the
+        blocks, with what each unit of its own there holds while the backward of its first op
+        runs, added at that op: a unit outside the blocks is regathered only when that backward
+        unpacks its weights (the head's after the loss's backward), and holds them with its whole
+        gradients, the previous unit's re-gather launched and the units finished before it in
+        flight. Added to the walk's largest point instead, the lm_head's 8 MiB weight counted
+        during the cross-entropy's backward: ZeRO-3 on the fidelity GPT predicted 72.7 MiB for a
+        62.0 MiB run (bench/memwhere.py)."""
+        out = dict(transients)
+        for i, u in enumerate(self.seq):
+            if u.run is None and (u.first >= self.lo) == after:
+                out[u.first] = out.get(u.first, 0.0) + self._held_at_use(i)
+        return sorted(out.items())
+
+    def _held_at_use(self, i: int) -> float:
+        u = self.seq[i]
+        in_flight = sum(self._in_flight(v) for v in self.seq[i + 1:i + 1 + IN_FLIGHT])
+        if u.run in self.recomputed:
+            return u.saved_bytes + in_flight
+        before = self._regathered(i - 1) if i > 0 else 0.0
+        return self._regathered(i) + u.landing_bytes + before + in_flight
 
     def forward(self, pre, head, ordered, pre_acts: float, kept_blocks: float):
         """(activations alive before the gather, the gather's bytes) per unit copy."""

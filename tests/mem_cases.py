@@ -34,6 +34,11 @@ def build(name: str):
 
         torch.manual_seed(0)
         return gpt("gpt-tiny", batch_size=16, seq_len=32, vocab_size=2048)
+    if name == "gpt-fidelity":  # bench/fidelity.py's GPT (7.4 M parameters, logits 4x its hidden states)
+        from runtime_vs_baselines import FULL, build_model
+
+        torch.manual_seed(0)
+        return build_model(FULL)
     if name != "hf-llama-tiny":
         return build_zoo(name)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -47,6 +52,25 @@ def build(name: str):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 128, (8, 16), generator=g)
     return model, (ids, torch.randint(0, 128, (8, 16), generator=g))
+
+
+# The profile bench/fidelity.py calibrated (``autopar calibrate``, 4 gloo ranks on 2 cores) for its
+# run of 2026-12-04: gloo's millisecond latency makes the planner cut the fidelity GPT's head on the
+# vocabulary (its logits reduce-scattered, their gradient all-gathered back), where an A100's links
+# make it gather the head's input instead. A case picks it with ``hardware="gloo-cpu"``.
+GLOO_CPU = dict(name="gloo-cpu", devices_per_node=4, peak_flops=3.157e10, peak_flops_fp32=3.157e10,
+                memory_bandwidth_bytes_per_s=1.11e10, memory_bytes=2.53e10,
+                intra_node=dict(name="gloo-loopback", bandwidth_bytes_per_s=1.73e9, latency_s=9.19e-4),
+                inter_node=dict(name="gloo-loopback", bandwidth_bytes_per_s=1.73e9, latency_s=9.19e-4),
+                kernel_overhead_s=3.82e-6, efficiency=1.0, host_link_bytes_per_s=2.5e10,
+                host_memory_bytes=2.75e11, host_adam_params_per_s=7.12e8, comm_overlap=0.0,
+                optimizer_params_per_s=1.66e8, softmax_bytes_per_s=2.64e9, shared_cores=2.0)
+
+
+def _hardware(name: str):
+    from autopar.cost_model.hardware import Hardware
+
+    return Hardware.from_json(GLOO_CPU) if name == "gloo-cpu" else name
 
 
 def case_key(case) -> str:
@@ -63,7 +87,9 @@ def run_case(name: str, options: dict) -> dict:
     from autopar.runtime.offload import make_optimizer
 
     model, inputs = build(name)
-    pm = parallelize(model, example_inputs=inputs, hardware="a100-80gb", mixed_precision=False, baselines=False,
+    options = dict(options)
+    hardware = _hardware(options.pop("hardware", "a100-80gb"))
+    pm = parallelize(model, example_inputs=inputs, hardware=hardware, mixed_precision=False, baselines=False,
                      **options)
     # AdamW as the plan asks: state on the device, or on the host when the plan offloads
     opt = make_optimizer(pm, lr=LR, eps=EPS)
@@ -120,3 +146,38 @@ def _bytes(tensors, mem) -> int:
 def case(rank: int, world: int, name: str, options: dict) -> dict:
     """One case on this rank (run by tests/launcher.py)."""
     return run_case(name, options)
+
+
+def pipeline_case(rank: int, world: int, name: str, pipeline: dict, hardware: str) -> dict:
+    """A pipeline pinned by hand (``pipeline_stages.hand_pipeline_plan``: pp, micro-batches,
+    schedule, virtual stages), planned on rank 0 and run on every rank as bench/fidelity.py
+    does: the second step's peak live bytes, max over the ranks (the last stage holds the head)."""
+    from memtrack import LiveBytes, optimizer_tensors
+
+    from autopar.plan import Plan
+    from autopar.pipeline_stages import hand_pipeline_plan
+    from autopar.planner import plan
+    from autopar.runtime.offload import make_optimizer
+    from autopar.runtime.parallel_module import parallelize
+
+    model, inputs = build(name)
+    box = [None]
+    if rank == 0:
+        box[0] = hand_pipeline_plan(model, inputs, world, stage_mesh=None, stage_blocks=None, plan_fn=plan,
+                                    baselines=False, hardware=_hardware(hardware), mixed_precision=False,
+                                    **pipeline).to_json()
+    dist.broadcast_object_list(box, src=0)
+    the_plan = Plan.from_json(box[0])
+    pm = parallelize(model, example_inputs=inputs, plan=the_plan, hardware=_hardware(hardware), mixed_precision=False)
+    opt = make_optimizer(pm, lr=LR, eps=EPS)
+    for step in range(2):
+        with LiveBytes() if step == 1 else contextlib.nullcontext() as mem:
+            if mem is not None:
+                mem.track(optimizer_tensors(pm, opt) + list(inputs))
+            pm.step(*inputs)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    peaks = [None] * world
+    dist.all_gather_object(peaks, mem.peak_bytes)
+    return dict(step_peak_bytes=max(peaks), predicted_peak_bytes=the_plan.peak_memory_bytes_per_device,
+                mesh=str(the_plan.mesh))
