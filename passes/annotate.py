@@ -63,8 +63,24 @@ def _outputs(node: fx.Node) -> list[torch.Tensor]:
 def source_layouts(shape: tuple[int, ...], mesh: MeshSpec) -> list[Layout]:
     """Every ``Shard``/``Replicate`` layout of a tensor of ``shape`` that divides evenly."""
     choices = [Replicate()] + [Shard(d) for d in range(len(shape))]
-    layouts = (Layout.interned(c) for c in itertools.product(choices, repeat=mesh.ndim))
+    per_axis = [choices if size > 1 else [Replicate()] for size in mesh.sizes]  # see _on_unit_axes
+    layouts = (Layout.interned(c) for c in itertools.product(*per_axis))
     return [l for l in layouts if l.divides(mesh, shape)]
+
+
+def _on_unit_axes(strategies: tuple[Strategy, ...], mesh: MeshSpec) -> tuple[Strategy, ...]:
+    """``strategies`` less those that shard or leave a partial sum on an axis of size 1.
+
+    On such an axis every placement holds the whole tensor, so these are copies of a replicated
+    strategy at equal modelled cost; left in, the solver may pick one (a 1-device pipeline stage
+    took ring attention and all-to-alls), and the runtime then runs its collectives on 1-rank
+    groups for nothing. Kept as they are when nothing else is left."""
+    unit = [a for a, size in enumerate(mesh.sizes) if size == 1]
+    if not unit:
+        return strategies
+    kept = tuple(s for s in strategies
+                 if all(isinstance(l.placements[a], Replicate) for l in s.inputs + s.outputs for a in unit))
+    return kept or strategies
 
 
 def _signature(x: Any) -> Any:
@@ -122,7 +138,7 @@ def node_strategies(node: fx.Node, mesh: MeshSpec, cache: dict | None = None) ->
     for technique in covering:  # e.g. SUMMA's panel-loop linear layer
         if technique.strategies is not None:
             result = result + tuple(technique.strategies(node, result, mesh))
-    result = tag(node, result)  # each strategy a technique runs records its name
+    result = _on_unit_axes(tag(node, result), mesh)  # each strategy a technique runs records its name
     if cache is not None:
         cache[key] = result
     return result

@@ -186,3 +186,32 @@ def test_a_region_technique_collapses_a_sub_graph_prices_it_once_and_lowers_one_
             assert (_toy_kernel in targets) == (chosen.technique == "toy_region")
             assert any(isinstance(t, base.Region) for t in targets) == (chosen.technique is None)
     assert "toy_region" not in {t.name for t in base.techniques()}
+
+
+def test_an_axis_of_size_one_offers_only_replicated_placements():
+    # On an axis of size 1 a shard or a partial sum is the whole tensor: such strategies copy a
+    # replicated one at equal modelled cost, and a 1-device pipeline stage once picked ring
+    # attention and all-to-alls among them, which the runtime then ran on 1-rank groups. The
+    # candidates on (dp=2, tp=1) must be exactly those on (dp=2) with tp replicated.
+    from autopar.mesh import MeshSpec
+    from autopar.models import GPTConfig, gpt
+    from autopar.passes.annotate import STRATEGIES_KEY, annotate
+    from autopar.trace import trace
+    from torch.distributed.tensor import Replicate
+
+    model, inputs = gpt(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=16), batch_size=2)
+    gm = trace(model, inputs, stack_traces=False)
+
+    def candidates(mesh):
+        annotate(gm, mesh)
+        return {n.name: n.meta[STRATEGIES_KEY] for n in gm.graph.nodes if STRATEGIES_KEY in n.meta}
+
+    flat = candidates(MeshSpec.parse("dp=2", 2))
+    padded = candidates(MeshSpec.parse("dp=2,tp=1", 2))
+    assert flat.keys() == padded.keys()
+    for name, strategies in padded.items():
+        assert all(isinstance(l.placements[1], Replicate) for s in strategies for l in s.inputs + s.outputs), name
+        assert [[l.placements[:1] for l in s.inputs + s.outputs] for s in strategies] \
+            == [[l.placements for l in s.inputs + s.outputs] for s in flat[name]], name
+    single = candidates(MeshSpec.parse("dp=1", 1))
+    assert all(len(s) == 1 for s in single.values()), [k for k, s in single.items() if len(s) > 1]
