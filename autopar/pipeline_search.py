@@ -68,7 +68,7 @@ from .forking import share_work
 from .pipeline_info import PipelineInfo, PipelineStageInfo
 from .plan import Plan
 
-__all__ = ["PipelineChoice", "search_pipeline", "global_batch"]
+__all__ = ["PipelineChoice", "search_pipeline", "global_batch", "microbatch_and_step_seconds"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,14 @@ def _split_costs(problem, choice: dict, regathers: bool = True) -> _Part:
                 batch += g.seconds * count / g.count
     rc_compute, rc_comm, rc_saved, _ = recompute_effect(problem, choice, shared)  # recomputed blocks
     return _Part(batch + rc_compute + rc_comm, use, step, params, acts - rc_saved)
+
+
+def microbatch_and_step_seconds(plan: Plan) -> tuple[float, float]:
+    """A stage's plan (one micro-batch) split as a pipeline pays it: per micro-batch (compute,
+    activation collectives, ZeRO-3 gathers) and once per step (optimizer, parameter gradient
+    syncs after the drain); the terms the search composes (``_split_costs``)."""
+    part = _split_costs(plan.problem, plan.choice)
+    return part.batch_seconds + part.use_seconds, part.step_seconds
 
 
 def _boundary_bytes(gm: fx.GraphModule, train: TrainingSpec) -> tuple[float, float]:

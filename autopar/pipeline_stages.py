@@ -32,6 +32,7 @@ from autopar.passes.split_stages import REQUIRES_GRAD_KEY, block_container, even
 from autopar.trace import graph_fingerprint, trace
 
 from .errors import AutoparError
+from .pipeline_search import microbatch_and_step_seconds
 from .pipeline_info import ChunkComm, PipelineInfo, PipelineStageInfo, TiedSync, microbatch_inputs
 from .plan import Plan, SolverStats
 
@@ -161,10 +162,16 @@ def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule:
                           recompute: bool, idle_speedup: float = 1.0) -> tuple[PipelineInfo, float]:
     """A PipelineInfo priced from the stage plans themselves (a pipeline pinned by hand), and
     the step time (schedule, then the once-per-step syncs and optimizer of the slowest device)."""
+    # per micro-batch the stage's compute and activation collectives; its optimizer and parameter
+    # gradient syncs once per step, after the drain, as the search prices them (a stage plan
+    # read from JSON has no problem to split: all of its step per micro-batch)
+    split = [microbatch_and_step_seconds(p) if p.problem is not None else (p.step_seconds, 0.0) for p in stages]
     # no gradient buckets in a pipeline: its syncs run once per step on .grad (runtime.pipeline)
-    costs = [StageCost(p.step_seconds, p.param_state_bytes - p.bucket_bytes, p.activation_bytes, c.send_bytes,
-                       c.send_grad_bytes, transient_bytes=_grad_transient(p, m)) for p, c in zip(stages, stages.chunks)]
+    costs = [StageCost(s[0], p.param_state_bytes - p.bucket_bytes, p.activation_bytes, c.send_bytes,
+                       c.send_grad_bytes, transient_bytes=_grad_transient(p, m))
+             for p, c, s in zip(stages, stages.chunks, split)]
     pc = pipeline_cost(costs, schedule, m, pp_link, v, idle_speedup)
+    after = max(sum(split[k + j * pp][1] for j in range(v)) for k in range(pp))
     tied_s = sum(t.seconds for t in stages.tied)
     starts = [sum(stage_blocks[:s]) for s in range(pp * v)]
     infos = []
@@ -175,7 +182,7 @@ def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule:
                                        pc.stage_seconds[k], pc.stage_memory_bytes[k]))
     info = PipelineInfo(pp, schedule, m, v, str(stage_mesh), block_prefix, tuple(stage_blocks), pc.bubble_fraction,
                         pc.bubble_seconds, pc.p2p_bytes_per_step, tuple(infos), recompute, stages.tied, stages.chunks)
-    return info, pc.step_seconds + tied_s
+    return info, pc.step_seconds + after + tied_s
 
 
 def hand_pipeline_plan(model, example_inputs, n_gpus: int, *, pp: int, n_microbatches: int, schedule: str,

@@ -142,3 +142,22 @@ def test_recompute_is_priced_only_where_it_may_win(monkeypatch):
     # some sub-mesh is skipped for real, and the choice is the same
     assert any(bounds[k] >= pruned.step_seconds for k in bounds)
     assert pruned.step_seconds == everywhere.step_seconds and pruned.info == everywhere.info
+
+
+def test_a_pinned_pipeline_pays_its_optimizer_once_per_step():
+    # A pipeline runs each stage's optimizer (and its gradient syncs) once per step, after the
+    # drain; a pipeline pinned by hand (hand_pipeline_plan) once priced them with every
+    # micro-batch. The optimizer's share of the step must not grow with the micro-batches.
+    from autopar.pipeline_stages import hand_pipeline_plan
+    from autopar.planner import plan
+    from autopar.models import GPTConfig
+
+    model, inputs = gpt(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=256, block_size=32), batch_size=8)
+
+    def step(m, optimizer):
+        return hand_pipeline_plan(model, inputs, 4, pp=2, n_microbatches=m, schedule="1f1b", stage_mesh=None,
+                                  stage_blocks=None, virtual_stages=1, plan_fn=plan, hardware="a100-80gb",
+                                  strategy="dp", optimizer=optimizer, mixed_precision=False).step_seconds
+
+    share = {m: step(m, "adamw") - step(m, "sgd") for m in (2, 4)}
+    assert share[2] > 0 and share[4] == pytest.approx(share[2], rel=1e-6), share
