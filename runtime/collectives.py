@@ -26,7 +26,7 @@ from autopar.cost_model.comm import bytes_sent_per_rank
 
 __all__ = ["AxisGroup", "ByteCounter", "COUNTER", "count_bytes", "all_gather", "local_slice", "all_reduce",
            "reduce_scatter", "all_to_all", "to_partial", "grad_sync", "zero2_gather", "grad_scale", "zero2_shard",
-           "zero2_unshard", "gather_tensor", "sum_tensor"]
+           "zero2_unshard", "gather_tensor", "sum_tensor", "sum_in_place"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,13 @@ def sum_tensor(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     dist.all_reduce(out, group=g.group)
     COUNTER.add("all_reduce", _nbytes(out), g.size)
     return out
+
+
+def sum_in_place(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """``x`` (contiguous) replaced by its sum over the axis (plain: no autograd); returns ``x``."""
+    dist.all_reduce(x, group=g.group)
+    COUNTER.add("all_reduce", _nbytes(x), g.size)
+    return x
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, g: AxisGroup) -> torch.Tensor:

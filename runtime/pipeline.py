@@ -136,13 +136,23 @@ class PipelineModule(nn.Module):
 
     def _sync_deferred_grads(self) -> None:
         """The gradient all-reduces the stage programs left for the end of the step (their
-        parameters' only use is partial on the axis): once per step, not once per micro-batch."""
+        parameters' only use is partial on the axis): once per step, not once per micro-batch.
+
+        Gradients of one stage, axis and dtype go in buckets: each bucket is one all-reduce,
+        at most the largest of those gradients in size, so the step's transient memory is what
+        a per-parameter all-reduce held (the cost model prices a pipeline without gradient
+        buckets) while tens of calls become a few: on gloo a call costs ~2 ms whatever its size
+        (bench/fidelity.py's pp=2 x dp=2 stage: 36 calls, 67 ms of a 750 ms step)."""
         with torch.no_grad():
             for stage in self.stages:
+                groups: dict[tuple, list[torch.Tensor]] = {}
                 for target, axis in stage.program.deferred_param_syncs:
-                    p = stage.program.get_parameter(target)
-                    if p.grad is not None:
-                        p.grad.copy_(C.all_reduce(p.grad, False, stage.axis_group_of(axis)))
+                    grad = stage.program.get_parameter(target).grad
+                    if grad is not None:
+                        groups.setdefault((axis, grad.dtype), []).append(grad)
+                for (axis, _), grads in groups.items():
+                    for bucket in _buckets(grads):
+                        _sum_bucket(bucket, stage.axis_group_of(axis))
 
     def _sync_tied_grads(self) -> None:
         """Weights tied across stages: each copy's gradient becomes the sum over the stages that
@@ -194,6 +204,32 @@ class PipelineModule(nn.Module):
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Unsharded gradients of every stage's parameters, on every rank."""
         return self._gather_dicts([s.full_grads() for s in self.stages])
+
+
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``grads`` in order, cut into runs of at most the largest one's bytes."""
+    cap = max(g.numel() * g.element_size() for g in grads)
+    out, size = [[]], 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if out[-1] and size + nbytes > cap:
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += nbytes
+    return out
+
+
+def _sum_bucket(bucket: list[torch.Tensor], group: C.AxisGroup) -> None:
+    """Every gradient of ``bucket`` replaced by its sum over ``group``, in one all-reduce."""
+    if len(bucket) == 1 and bucket[0].is_contiguous():
+        C.sum_in_place(bucket[0], group)
+        return
+    flat = C.sum_in_place(torch.cat([g.reshape(-1) for g in bucket]), group)
+    offset = 0
+    for g in bucket:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _stage_module(gm: fx.GraphModule, plan: Plan, full: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
