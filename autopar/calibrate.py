@@ -14,8 +14,10 @@ What is measured, on every rank at once (each rank is one "device" of the profil
   rate of softmax-like ops (softmax, log-softmax, the cross-entropy loss), whose exp/log and
   row reductions run below the streaming rate on CPU (``cost_model/costs.py``).
 - ``kernel_overhead_s``: time per op of back-to-back 1-element adds (dispatch and launch).
-- ``optimizer_params_per_s``: parameter elements per second ``torch.optim.AdamW`` (defaults)
-  updates: the optimizer step's price (``cost_model/offload.py``).
+- ``optimizer_params_per_s``: parameter elements per second the AdamW ``autopar.make_optimizer``
+  builds (torch's fused kernel) updates: the optimizer step's price (``cost_model/offload.py``).
+- ``backward_ratio``: a linear layer's backward time over its forward (tokens x hidden ->
+  4 hidden): what a matmul's backward costs over its forward (``cost_model/costs.py``).
 - ``host_adam_params_per_s``: the same for the host AdamW ZeRO-Offload runs
   (``autopar.optim.cpu_kernels.adam_step``, as ``runtime/offload.py`` calls it), on the CPU
   whatever the device: the offloaded step's price. Profiles not calibrated keep a default.
@@ -127,7 +129,8 @@ class DeviceMeasurements:
     add_bytes_per_s: float
     tiny_op_seconds: float
     memory_bytes: float
-    adamw_params_per_s: float = 0.0  # torch's AdamW step with its defaults (0: not measured)
+    adamw_params_per_s: float = 0.0  # torch's fused AdamW step (0: not measured)
+    backward_ratio: float = 0.0  # a linear layer's backward time over its forward (0: not measured)
     softmax_bytes_per_s: float = 0.0  # log-softmax over 8192-wide rows, input + output bytes (0: not measured)
     host_adam_params_per_s: float = 0.0  # the host AdamW of ZeRO-Offload (0: not measured)
 
@@ -270,6 +273,7 @@ def _build(measured: dict[str, Any], backend: str, name: str | None, links_from:
         kernel_overhead_s=dev.tiny_op_seconds,
         optimizer_params_per_s=dev.adamw_params_per_s,
         softmax_bytes_per_s=dev.softmax_bytes_per_s,
+        **({"backward_ratio": dev.backward_ratio} if dev.backward_ratio else {}),
         **({"host_adam_params_per_s": dev.host_adam_params_per_s} if dev.host_adam_params_per_s else {}),
         efficiency=1.0,  # measured rates already include kernel efficiency (module docstring)
         comm_overlap=float(overlap) if overlap is not None else (base.comm_overlap if base is not None else 0.0),
@@ -314,7 +318,8 @@ def format_summary(cal: Calibration) -> str:
         ("log-softmax 8192-wide rows", f"{d.softmax_bytes_per_s / 1e9:,.2f} GB/s",
          "(input + output) -> softmax_bytes_per_s"),
         ("tiny op (1-element add)", f"{d.tiny_op_seconds * 1e6:,.2f} us", "-> kernel_overhead_s"),
-        ("AdamW step", f"{d.adamw_params_per_s / 1e6:,.1f} M params/s", "-> optimizer_params_per_s"),
+        ("AdamW step (fused)", f"{d.adamw_params_per_s / 1e6:,.1f} M params/s", "-> optimizer_params_per_s"),
+        ("linear backward / forward", f"{d.backward_ratio:.2f}", "-> backward_ratio"),
         ("host AdamW (offload)", f"{d.host_adam_params_per_s / 1e6:,.1f} M params/s", "-> host_adam_params_per_s"),
         ("memory", f"{d.memory_bytes / 2**30:,.2f} GiB", "-> memory_bytes"),
         ("all-reduce beside matmuls", "not measured (1 rank)" if cal.comm_overlap is None else

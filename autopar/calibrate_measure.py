@@ -65,17 +65,29 @@ def _matmul_flops(n: int, dtype: torch.dtype, device: torch.device, sync: Callab
 
 
 def _adamw_params_per_s(device: torch.device, sync: Callable[[], None], window_s: float) -> float:
-    """Parameter elements per second that ``torch.optim.AdamW(params)`` with its defaults (what a
-    training loop writes; on CPU torch picks the per-tensor loop, on CUDA ``foreach``) updates,
-    over eight layer-sized fp32 tensors far larger than any cache. Its many passes over the
-    weights, gradients and moments cost several times one stream of them (measured here: ~6x)."""
+    """Parameter elements per second the AdamW that ``autopar.make_optimizer`` builds updates:
+    torch's fused kernel (one pass over weights, gradients and moments, no temporaries: what the
+    memory walk assumes too), over eight layer-sized fp32 tensors far larger than any cache."""
     rows, cols = (4096, 4096) if device.type == "cuda" else (512, 1024)
     params = [torch.nn.Parameter(torch.randn(rows, cols, device=device)) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
     opt.step()  # creates the moments
     return 8 * rows * cols / _seconds_per_call(opt.step, sync, window_s)
+
+
+def _backward_ratio(device: torch.device, sync: Callable[[], None], window_s: float) -> float:
+    """A linear layer's backward time over its forward time (2 by FLOPs: two matmuls of the
+    forward's size; on CPU measured ~2.4-2.7, the transposed operands and the bias sum), at a
+    transformer-like shape: tokens x hidden -> 4 hidden."""
+    tokens, k, n = (8192, 4096, 4096) if device.type == "cuda" else (512, 256, 1024)
+    x = torch.randn(tokens, k, device=device, requires_grad=True)
+    layer = torch.nn.Linear(k, n, device=device)
+    grad = torch.randn(tokens, n, device=device)
+    forward = _seconds_per_call(lambda: layer(x), sync, window_s)
+    both = _seconds_per_call(lambda: layer(x).backward(grad), sync, window_s)
+    return max(both - forward, forward) / forward
 
 
 def _host_adam_params_per_s(window_s: float) -> float:
@@ -135,7 +147,9 @@ def measure_device(device: torch.device, quick: bool, say: Callable[[str], None]
     softmax = _softmax_bytes_per_s(device, sync, window)
     say(f"log-softmax {softmax / 1e9:,.2f} GB/s (input + output)")
     adamw = _adamw_params_per_s(device, sync, window)
-    say(f"AdamW step (torch defaults): {adamw / 1e6:,.1f} M parameters/s")
+    say(f"AdamW step (fused): {adamw / 1e6:,.1f} M parameters/s")
+    backward = _backward_ratio(device, sync, window)
+    say(f"linear layer backward / forward: {backward:.2f}")
     host_adam = _host_adam_params_per_s(window)
     say(f"host AdamW step (ZeRO-Offload's adam_step): {host_adam / 1e6:,.1f} M parameters/s")
     one, out = torch.ones(1, device=device), torch.empty(1, device=device)
@@ -148,7 +162,7 @@ def measure_device(device: torch.device, quick: bool, say: Callable[[str], None]
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     return dict(device=name, matmul_n=n, matmul_fp32_flops=fp32, matmul_bf16_flops=bf16, bf16_native=bf16_native,
                 stream_bytes=stream_bytes, copy_bytes_per_s=copy, add_bytes_per_s=add, tiny_op_seconds=tiny,
-                memory_bytes=memory, adamw_params_per_s=adamw, softmax_bytes_per_s=softmax,
+                memory_bytes=memory, adamw_params_per_s=adamw, softmax_bytes_per_s=softmax, backward_ratio=backward,
                 host_adam_params_per_s=host_adam)
 
 

@@ -15,8 +15,8 @@ Memory of a strategy is the activation it keeps for backward (its output, unless
 view); parameters, gradients and optimizer state are priced on parameter nodes
 (:func:`param_state_bytes`), where ZeRO choices act.
 
-A collapsed region (``passes.regions``) costs the sum of its ops' FLOPs, with backward twice
-forward when it holds a contraction.
+A collapsed region (``passes.regions``) costs the sum of its ops' FLOPs, with backward
+``Hardware.backward_ratio`` times forward when it holds a contraction (2 by FLOPs).
 """
 
 from __future__ import annotations
@@ -184,12 +184,13 @@ def compute_seconds(node: fx.Node, strategy: Strategy, mesh: MeshSpec, hw: Hardw
     fwd += hw.kernel_overhead_s
     if not needs_grad:
         return fwd, 0.0
-    bwd = 2 * fwd if _has_contraction(node) else fwd
+    bwd = hw.backward_ratio * fwd if _has_contraction(node) else fwd
     return fwd, bwd
 
 
 def _has_contraction(node: fx.Node) -> bool:
-    """The op (or a collapsed region's op) is a matmul or attention: backward costs twice forward."""
+    """The op (or a collapsed region's op) is a matmul or attention: backward costs
+    ``Hardware.backward_ratio`` times forward (twice by FLOPs)."""
     if isinstance(node.target, Region):
         return any(_has_contraction(n) for n in node.target.graph_module.graph.nodes)
     return node.target in _CONTRACTIONS or node.target == aten.scaled_dot_product_attention.default

@@ -77,6 +77,9 @@ class Hardware:
     # share of a core when all are busy, which is what ``autopar calibrate`` measures; a rank
     # that waits (a pipeline bubble) hands its share to the busy ones (``idle_speedup``).
     shared_cores: float = 0.0
+    # A contraction's backward time over its forward: 2 by FLOPs (the built-in profiles);
+    # ``autopar calibrate`` measures a linear layer's (on CPU ~2.4-2.7).
+    backward_ratio: float = 2.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
@@ -101,6 +104,9 @@ class Hardware:
         if not isinstance(self.softmax_bytes_per_s, (int, float)) or not 0 <= self.softmax_bytes_per_s < math.inf:
             raise HardwareError(f"hardware {self.name!r}: softmax_bytes_per_s must be >= 0 (0: priced at "
                                 f"memory_bandwidth_bytes_per_s), got {self.softmax_bytes_per_s!r}")
+        if not isinstance(self.backward_ratio, (int, float)) or not 0 < self.backward_ratio < math.inf:
+            raise HardwareError(f"hardware {self.name!r}: backward_ratio must be a positive number (a matmul's "
+                                f"backward time over its forward; 2 by FLOPs), got {self.backward_ratio!r}")
         if not isinstance(self.comm_overlap, (int, float)) or not 0 <= self.comm_overlap <= 1:
             raise HardwareError(f"hardware {self.name!r}: comm_overlap must be in [0, 1] (the fraction of "
                                 f"asynchronous communication hidden behind compute), got {self.comm_overlap!r}")

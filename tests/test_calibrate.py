@@ -58,6 +58,8 @@ def test_one_rank_needs_links_from_and_then_copies_them(tmp_path):
     # the host AdamW of ZeRO-Offload (optim.cpu_kernels.adam_step) is measured into the field
     # the offloaded step is priced with, not left at the profile's default
     assert cal.device.host_adam_params_per_s > 0
+    # a linear layer's backward over its forward: measured (not the FLOPs' 2) into the profile
+    assert hw.backward_ratio == cal.device.backward_ratio and 1.0 <= hw.backward_ratio < 10
     assert hw.host_adam_params_per_s == cal.device.host_adam_params_per_s != PROFILES["cpu"].host_adam_params_per_s
 
 

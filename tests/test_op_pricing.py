@@ -61,3 +61,22 @@ def test_gpu_profiles_price_softmax_at_hbm_bandwidth():
 def test_bad_softmax_rate_is_refused(bad):
     with pytest.raises(HardwareError, match="softmax_bytes_per_s must be >= 0"):
         dataclasses.replace(get_hardware("cpu"), softmax_bytes_per_s=bad)
+
+
+def test_a_matmul_backward_costs_the_calibrated_ratio_of_its_forward():
+    class Lin(torch.nn.Module):
+        def forward(self, x, w):
+            return F.gelu(x @ w)
+
+    gm = trace(Lin(), (torch.randn(ROWS, VOCAB), torch.randn(VOCAB, VOCAB)))
+    mesh = MeshSpec(("dp",), (1,), (Link("l", 1e9, 1e-6),))
+    rep = Layout.replicated(1)
+    for ratio in (2.0, 2.6):
+        hw = dataclasses.replace(get_hardware("cpu"), backward_ratio=ratio)
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                st = Strategy(tuple(rep for _ in n.args if isinstance(_, torch.fx.Node)), (rep,))
+                fwd, bwd = compute_seconds(n, st, mesh, hw, TrainingSpec(mixed_precision=False), True)
+                assert bwd == pytest.approx(ratio * fwd if n.target in (aten.mm.default, aten.matmul.default) else fwd), n.target
+    with pytest.raises(HardwareError, match="backward_ratio"):
+        dataclasses.replace(get_hardware("cpu"), backward_ratio=0.0)
