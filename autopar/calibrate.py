@@ -29,7 +29,9 @@ What is measured, on every rank at once (each rank is one "device" of the profil
   and ZeRO-3's prefetched collectives): both alone, then both together, on every rank at once;
   the median over ranks. One rank cannot measure it: it comes from ``links_from`` then.
 - ``intra_node`` / ``inter_node`` links: all-reduce and all-gather times over message sizes
-  from KiBs to MiBs (up to 8 MiB on CPU, 512 MiB on CUDA), fitted by least squares on
+  from KiBs to MiBs (up to 8 MiB on CPU, 512 MiB on CUDA; on CPU each call after a piece of
+  compute on every rank, less that compute alone: ranks sharing cores meet a collective in a
+  step so, about twice as slow as back to back), fitted by least squares on
   *relative* error (small and large messages weigh the same) to the ring formulas of
   :mod:`autopar.cost_model.comm`::
 

@@ -167,8 +167,14 @@ def measure_device(device: torch.device, quick: bool, say: Callable[[str], None]
 
 
 def _time_collective(fn: Callable[[], Any], sync: Callable[[], None], group: Any, device: torch.device,
-                     quick: bool) -> float:
-    """Seconds per call of collective ``fn`` on this rank: median of trials of back-to-back calls.
+                     quick: bool, between: Callable[[], Any] | None = None) -> float:
+    """Seconds per call of collective ``fn`` on this rank: median of trials.
+
+    ``between`` (CPU): the calls are timed as a training step meets them, each one after a piece
+    of compute on every rank, less the same compute timed alone (trials alternate the two).
+    CPU ranks sharing cores that wait back to back hand the cores to each other, so a
+    collective there runs about twice as fast as between compute, where both ends must be
+    scheduled at once (4 ranks on 2 cores: 4 KiB pair all-reduce 2.3 ms in a step, ~1 ms alone).
 
     Three trials even when quick: the median of three drops one trial that a neighbouring process
     slowed down (the median of two is their mean, and keeps it).
@@ -176,24 +182,34 @@ def _time_collective(fn: Callable[[], Any], sync: Callable[[], None], group: Any
     Every rank must run the same number of calls, so the repeat count comes from the slowest
     rank's warm-up time (an all-reduce MAX), not from each rank's own clock.
     """
-    fn()
-    fn()
+    def call() -> None:
+        if between is not None:
+            between()
+        fn()
+
+    call()
+    call()
     sync()
     t0 = time.perf_counter()
-    fn()
+    call()
     sync()
     estimate = torch.tensor([time.perf_counter() - t0], device=device, dtype=torch.float64)
     dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=group)
     target_s = 0.04 if quick else 0.12
     reps = max(2, min(200, round(target_s / max(estimate.item(), 1e-7))))
-    trials = []
-    for _ in range(3 if quick else 5):
+
+    def trial(body: Callable[[], Any]) -> float:
         dist.barrier(group=group)
         t0 = time.perf_counter()
         for _ in range(reps):
-            fn()
+            body()
         sync()
-        trials.append((time.perf_counter() - t0) / reps)
+        return (time.perf_counter() - t0) / reps
+
+    trials = []
+    for _ in range(3 if quick else 5):
+        with_call = trial(call)
+        trials.append(with_call if between is None else max(with_call - trial(between), 0.0))
     return statistics.median(trials)
 
 
@@ -208,6 +224,13 @@ def _measure_collectives(group: Any, n: int, device: torch.device, quick: bool,
     for _ in range(5):  # first collectives on a group pay for set-up (buffers, connections, NCCL comms)
         dist.all_reduce(warm, group=group)
     sync()
+    between = None
+    if not cuda:  # time them between compute, as a step meets them (see _time_collective)
+        a, b = torch.randn(256, 256), torch.randn(256, 512)
+
+        def between() -> None:
+            for _ in range(2):
+                torch.mm(a, b)
     points = []
     for size in sizes:
         elems = max(n, size // 4 // n * n)  # float32, divisible by n for the all-gather
@@ -216,7 +239,7 @@ def _measure_collectives(group: Any, n: int, device: torch.device, quick: bool,
         out = torch.empty(elems, device=device)
         for name, fn in (("all_reduce", lambda: dist.all_reduce(full, group=group)),
                          ("all_gather", lambda: gather(out, shard, group=group))):
-            seconds = _time_collective(fn, sync, group, device, quick)
+            seconds = _time_collective(fn, sync, group, device, quick, between)
             points.append(dict(collective=name, bytes_per_rank=elems * 4, n_ranks=n, seconds=seconds))
             say(f"{name} {n} ranks {elems * 4 / 2**20:8.3f} MiB: {seconds * 1e3:8.3f} ms")
     return points
