@@ -56,6 +56,8 @@ report import.
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
@@ -88,6 +90,16 @@ class Pin:
 
     def __call__(self, node: fx.Node, option: tuple[Strategy, tuple[int, ...]]) -> bool:
         raise NotImplementedError
+
+    def on_mesh(self, sizes: tuple[int, ...]) -> "Pin":
+        """This pin for a mesh of ``sizes``: axes of size 1 dropped from its ``*_axes`` fields.
+        Such an axis offers only replicated placements (``passes/annotate.py``: a shard there is
+        the whole tensor), so a family asks nothing of it (``strategy="dp"`` on 1 device)."""
+        if not dataclasses.is_dataclass(self) or all(size > 1 for size in sizes):
+            return self
+        changes = {f.name: tuple(a for a in getattr(self, f.name) if sizes[a] > 1) for f in dataclasses.fields(self)
+                   if f.name.endswith("_axes") and isinstance(getattr(self, f.name), tuple)}
+        return dataclasses.replace(self, **changes) if changes else self
 
 
 @dataclass(frozen=True)

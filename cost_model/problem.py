@@ -152,6 +152,8 @@ class PinError(AutoparError):
 
 class _Builder:
     def __init__(self, gm, mesh, hw, train, pins, zero2: bool = True):
+        # a pin asks nothing of axes of size 1 (they offer only replicated layouts: Pin.on_mesh)
+        pins = pins.on_mesh(mesh.sizes) if hasattr(pins, "on_mesh") else pins
         self.gm, self.mesh, self.hw, self.train, self.pins = gm, mesh, hw, train, pins
         self.zero2 = zero2
         self.nodes = [n for n in gm.graph.nodes if n.meta.get(STRATEGIES_KEY)]

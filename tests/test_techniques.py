@@ -215,3 +215,14 @@ def test_an_axis_of_size_one_offers_only_replicated_placements():
             == [[l.placements for l in s.inputs + s.outputs] for s in flat[name]], name
     single = candidates(MeshSpec.parse("dp=1", 1))
     assert all(len(s) == 1 for s in single.values()), [k for k, s in single.items() if len(s) > 1]
+
+
+@pytest.mark.parametrize("family", ["dp", "zero2", "zero3", "megatron", "sp"])
+def test_a_family_pinned_on_one_device_plans(family):
+    # its axes have size 1 and offer only replicated layouts: the pin asks nothing of them
+    # (Pin.on_mesh); a 1-rank job of the scheduler plans strategy="dp" on one device
+    from autopar.models import GPTConfig, gpt
+
+    model, inputs = gpt(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=32), batch_size=8)
+    p = autopar.plan(model, 1, inputs, strategy=family, baselines=False)
+    assert p.mesh.n_devices == 1 and p.step_seconds > 0

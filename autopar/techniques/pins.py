@@ -239,6 +239,11 @@ class SequencePin(Pin):
     attention: str | None = None
     _batches: dict = _memo_field()
 
+    def on_mesh(self, sizes: tuple[int, ...]) -> Pin:
+        if sizes[self.sp_axis] == 1:  # nothing to split the sequence over: data parallel on the rest
+            return ClassicPin(tuple(a for a in self.batch_axes if sizes[a] > 1), ())
+        return super().on_mesh(sizes)
+
     def __call__(self, node: fx.Node, option) -> bool:
         strategy, zero_axes = option
         sp_axis, batch_axes = self.sp_axis, self.batch_axes
