@@ -42,7 +42,6 @@ their layouts rarely shard parameters).
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass
 from typing import Callable
 
@@ -147,9 +146,7 @@ def _split_costs(problem, choice: dict, regathers: bool = True) -> _Part:
 
 
 def microbatch_and_step_seconds(plan: Plan) -> tuple[float, float]:
-    """A stage's plan (one micro-batch) split as a pipeline pays it: per micro-batch (compute,
-    activation collectives, ZeRO-3 gathers) and once per step (optimizer, parameter gradient
-    syncs after the drain); the terms the search composes (``_split_costs``)."""
+    """A stage plan's (per micro-batch, once per step) seconds, as the search composes them."""
     part = _split_costs(plan.problem, plan.choice)
     return part.batch_seconds + part.use_seconds, part.step_seconds
 
