@@ -173,8 +173,10 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
             helper: "Any" = None, zero2: bool = False) -> tuple[Solved | None, int, str]:
     """Exact search over meshes: LP bounds first, then ILPs in bound order (module doc). An
     integral LP solution is already the ILP optimum of its mesh and needs no ILP. A
-    ``helper`` process bounds some of the meshes meanwhile (the planner's forked helper, never with ``zero2``:
-    parameters' ZeRO-2 options, see ``search_with_zero2``)."""
+    ``helper`` process bounds some of the meshes meanwhile (the planner's forked helper), with the
+    same options (``train``, ``zero2``: parameters' ZeRO-2 options, see ``search_with_zero2``)."""
+    if helper is not None and (helper.zero2 != zero2 or helper.bounds_train != train):
+        raise ValueError("the helper bounds meshes with other options than this search's")
     remote = helper.indices if helper is not None else frozenset()
     items = [(i, mp) for i, mp in enumerate(meshes_and_pins) if i not in remote]
     bounded, infeasible_need, pin_error, failed = mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress,
@@ -267,13 +269,15 @@ def rounded_lp(mesh, problem, lp: SolveResult, budget) -> "Solved | None":
     return Solved(mesh, problem, result, pred)
 
 
-def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress, helper, skip_first: bool = False):
+def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress, helper, skip_first: bool = False,
+                      helper_again: "Callable[[], Any] | None" = None):
     """The mesh search without ZeRO-2 options (nor recompute, under ``recompute="auto"``), then,
     where memory is tight (no plan fits, or the best one uses over 90% of the budget), again
     with them; the faster plan wins, so they never make a plan slower. The second pass's options
     include the first's, so the first only saves time: ``skip_first`` (the planner's guess that
     nothing fits without them) goes to the second at once, and a wrong guess costs time, never
-    a plan."""
+    a plan. ``helper`` bounds part of the first searched pass's meshes (the second's where
+    ``skip_first``); ``helper_again()`` starts one for the second pass."""
     def run(zero2: bool, helper, meshes):
         spec = train if zero2 or train.recompute != "auto" else dataclasses.replace(train, recompute="none")
         return search_meshes(gm, meshes, hw, spec, budget, time_limit_s, progress, helper=helper, zero2=zero2)
@@ -282,7 +286,7 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
     if skip_first:
         progress("memory is tight on every mesh (the forward's outputs over the devices exceed the budget): "
                  "searching with ZeRO-2 and recompute options at once")
-        return run(True, None, candidates)
+        return run(True, helper, candidates)
     try:
         best, n_solved, note = run(False, helper, candidates)
     except PinError:
@@ -302,7 +306,7 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
     progress(f"memory is tight for {why}: searching again with ZeRO-2 (split gradients and optimizer "
                         "state)" + (" and activation recompute" if train.recompute == "auto" else ""))
     try:
-        again, n_again, note_again = run(True, None, candidates)
+        again, n_again, note_again = run(True, helper_again() if helper_again is not None else None, candidates)
     except PinError:
         raise
     except AutoparError:

@@ -168,11 +168,15 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     # the first pass (no ZeRO-2, no recompute) is skipped where it cannot fit on any mesh: then
     # the helper only prices the baselines (GPT-3 175B at batch 1536 on 1024: 46 meshes saved)
     skip_first = len(candidates) > 1 and _forward_bytes(gm, train) / n_gpus > budget
-    helper = (_Helper(gm, [] if skip_first else candidates, hw, first_train, budget, time_limit_s, say, n_gpus,
-                      with_baselines) if with_baselines or (len(candidates) > 1 and not skip_first) else None)
+    # the helper bounds part of the meshes of the search's first pass (that pass's options)
+    helper = (_Helper(gm, candidates, hw, first_train, budget, time_limit_s, say, n_gpus, with_baselines,
+                      zero2=skip_first, bounds_train=train if skip_first else first_train)
+              if with_baselines or len(candidates) > 1 else None)
     try:
+        again = (lambda: _Helper(gm, candidates, hw, first_train, budget, time_limit_s, say, n_gpus, False,
+                                 zero2=True, bounds_train=train)) if len(candidates) > 1 else None
         best, n_solved, search_note = search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, say,
-                                                         helper, skip_first)
+                                                         helper, skip_first, again)
         if best is None:  # every ILP stopped at its time limit without a plan
             raise AutoparError(f"no mesh could be planned for {n_gpus} devices within the time limit "
                                f"({time_limit_s:.0f} s); raise time_limit_s or pin a mesh")
@@ -255,8 +259,8 @@ _FORKED: tuple | None = None
 
 
 def _helper_work(with_baselines: bool) -> tuple[list[Bound], float, str, list[BaselineResult]]:
-    gm, items, hw, train, budget, time_limit_s, progress, n_gpus = _FORKED
-    bounds, need, pin_error, failed = mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress)
+    gm, items, hw, train, budget, time_limit_s, progress, n_gpus, zero2, bounds_train = _FORKED
+    bounds, need, pin_error, failed = mesh_bounds(gm, items, hw, bounds_train, budget, time_limit_s, progress, zero2)
     bounds = [Bound(b.index, b.objective, b.integral, tight=b.tight) for b in bounds]  # the problems stay here
     baselines = _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) if with_baselines else []
     return bounds, need, pin_error, failed, baselines
@@ -269,8 +273,11 @@ class _Helper:
     Where fork is unavailable or the child fails, this process does the work itself, same
     inputs, same answer."""
 
-    def __init__(self, gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, n_gpus, baselines: bool):
+    def __init__(self, gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, n_gpus, baselines: bool,
+                 zero2: bool = False, bounds_train: TrainingSpec | None = None):
         global _FORKED
+        bounds_train = train if bounds_train is None else bounds_train
+        self.zero2, self.bounds_train = zero2, bounds_train  # the options the bounds are taken with
         self.args = (gm, hw, train, budget, time_limit_s, n_gpus)
         self.meshes_and_pins, self.with_baselines = meshes_and_pins, baselines
         self.indices = self._split(meshes_and_pins, baselines)
@@ -282,7 +289,7 @@ class _Helper:
                 import concurrent.futures as cf
                 import multiprocessing as mp
 
-                _FORKED = (gm, items, hw, train, budget, time_limit_s, progress, n_gpus)
+                _FORKED = (gm, items, hw, train, budget, time_limit_s, progress, n_gpus, zero2, bounds_train)
                 self.pool = cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork"))
                 self.future = self.pool.submit(_helper_work, baselines)
             except (ValueError, OSError, RuntimeError):
@@ -317,8 +324,8 @@ class _Helper:
                 self.close()
         gm, hw, train, budget, time_limit_s, n_gpus = self.args
         items = [(i, self.meshes_and_pins[i]) for i in sorted(self.indices)]
-        self._bounds, self._need, self._pin_error, self._failed = mesh_bounds(gm, items, hw, train, budget,
-                                                                              time_limit_s, QUIET)
+        self._bounds, self._need, self._pin_error, self._failed = mesh_bounds(gm, items, hw, self.bounds_train, budget,
+                                                                              time_limit_s, QUIET, self.zero2)
         self._baselines = (_price_baselines(gm, n_gpus, hw, train, budget, time_limit_s)
                            if self.with_baselines else [])
 
