@@ -166,15 +166,16 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
     # the helper's bounds and the baselines are searched without it
     first_train = dataclasses.replace(train, recompute="none") if train.recompute == "auto" else train
     # the first pass (no ZeRO-2, no recompute) is skipped where it cannot fit on any mesh: then
-    # the helper only prices the baselines (GPT-3 175B at batch 1536 on 1024: 46 meshes saved)
+    # the helper bounds half the meshes of the second (GPT-3 175B at batch 1536 on 1024: 46
+    # meshes of the first pass saved)
     skip_first = len(candidates) > 1 and _forward_bytes(gm, train) / n_gpus > budget
     # the helper bounds part of the meshes of the search's first pass (that pass's options)
     helper = (_Helper(gm, candidates, hw, first_train, budget, time_limit_s, say, n_gpus, with_baselines,
                       zero2=skip_first, bounds_train=train if skip_first else first_train)
               if with_baselines or len(candidates) > 1 else None)
+    again = (lambda: _Helper(gm, candidates, hw, first_train, budget, time_limit_s, say, n_gpus, False,
+                             zero2=True, bounds_train=train)) if len(candidates) > 1 else None
     try:
-        again = (lambda: _Helper(gm, candidates, hw, first_train, budget, time_limit_s, say, n_gpus, False,
-                                 zero2=True, bounds_train=train)) if len(candidates) > 1 else None
         best, n_solved, search_note = search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, say,
                                                          helper, skip_first, again)
         if best is None:  # every ILP stopped at its time limit without a plan
