@@ -61,6 +61,7 @@ this module holds the profile's data, the fit, the driver and the summary.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -78,7 +79,8 @@ from .cost_model.hardware import Hardware, get_hardware
 from .mesh import Link
 
 __all__ = ["Calibration", "CalibrationError", "CollectivePoint", "DeviceMeasurements", "LinkFit",
-           "calibrate", "calibration_to_dict", "fit_link", "format_summary"]
+           "calibrate", "calibration_to_dict", "fit_link", "fit_per_collective", "format_summary",
+           "with_per_collective"]
 
 DEFAULT_CPU_RANKS = 4
 
@@ -151,6 +153,8 @@ class Calibration:
     links_from: str | None
     seconds: float
     comm_overlap: float | None = None  # measured; None: copied from links_from
+    # one fit per (collective, group size) measured inside a node: the intra link's per_collective rows
+    per_collective: tuple[LinkFit, ...] = ()
 
 
 # ------------------------------------------------------------------------------ fitting
@@ -159,6 +163,8 @@ class Calibration:
 def _coefficients(p: CollectivePoint) -> tuple[float, float]:
     """(c, d) with t = c / B + d * a for ``p``'s ring formula (cost_model.comm)."""
     n = p.n_ranks
+    if p.collective in ("broadcast", "reduce"):  # pipelined ring: S/B + (n-1) a
+        return float(p.bytes_per_rank), float(n - 1)
     steps = 2 * (n - 1) if p.collective == "all_reduce" else n - 1
     return steps / n * p.bytes_per_rank, float(steps)
 
@@ -186,6 +192,32 @@ def fit_link(points: list[CollectivePoint] | tuple[CollectivePoint, ...], name: 
             f"link {name!r}: collective times do not grow with message size, so no bandwidth can be fitted; "
             f"measured {[(p.collective, p.bytes_per_rank, p.seconds) for p in points]}")
     return LinkFit(Link(name, float(1.0 / inv_bw), float(alpha)), points)
+
+
+def fit_per_collective(points: list[CollectivePoint] | tuple[CollectivePoint, ...], name: str
+                       ) -> tuple[LinkFit, ...]:
+    """One :func:`fit_link` per (collective, group size) among ``points``, in sorted order; a
+    pair whose times do not grow with the message size (no bandwidth to fit) is left out, and
+    the link's own pair prices it."""
+    groups: dict[tuple[str, int], list[CollectivePoint]] = {}
+    for p in points:
+        groups.setdefault((p.collective, p.n_ranks), []).append(p)
+    fits = []
+    for (kind, n), pts in sorted(groups.items()):
+        if len(pts) < 2:
+            continue
+        try:
+            fits.append(fit_link(pts, f"{name}:{kind}/{n}"))
+        except CalibrationError:
+            continue
+    return tuple(fits)
+
+
+def with_per_collective(link: Link, fits: tuple[LinkFit, ...]) -> Link:
+    """``link`` carrying each fit's rates as a ``Link.per_collective`` row."""
+    rows = tuple((f.points[0].collective, f.points[0].n_ranks, f.link.bandwidth_bytes_per_s, f.link.latency_s)
+                 for f in fits)
+    return dataclasses.replace(link, per_collective=rows)
 
 
 # ------------------------------------------------------------------------------ driver
@@ -253,14 +285,23 @@ def _build(measured: dict[str, Any], backend: str, name: str | None, links_from:
            base: Hardware | None, seconds: float) -> Calibration:
     dev = DeviceMeasurements(**measured["device"])
     link_name = f"{backend}-{'nvlink/pcie' if backend == 'nccl' else 'loopback'}-measured"
-    intra = None if base is not None else fit_link([CollectivePoint(**p) for p in measured["intra"]], link_name)
+    intra, per_kind = None, ()
+    if base is None:
+        # the link's own pair: all-reduce and all-gather on a whole node, as before; then rates of
+        # each collective and group size measured (reduce-scatter, broadcast, smaller groups)
+        points = [CollectivePoint(**p) for p in measured["intra"]]
+        node = int(measured["devices_per_node"])
+        intra = fit_link([p for p in points if p.n_ranks == node and p.collective in ("all_reduce", "all_gather")]
+                         or points, link_name)
+        per_kind = fit_per_collective(points, link_name)
     inter = None
     if base is None and measured["inter"] is not None:
         inter = fit_link([CollectivePoint(**p) for p in measured["inter"]], f"{backend}-inter-node-measured")
     if base is not None:
         intra_link, inter_link = base.intra_node, base.inter_node
     else:
-        intra_link, inter_link = intra.link, (inter or intra).link
+        intra_link = with_per_collective(intra.link, per_kind)
+        inter_link = inter.link if inter is not None else intra_link
     overlap = measured.get("comm_overlap")
     kind = "cpu" if dev.device == "cpu" else dev.device.lower().replace("nvidia ", "").replace(" ", "-")
     hardware = Hardware(
@@ -284,7 +325,7 @@ def _build(measured: dict[str, Any], backend: str, name: str | None, links_from:
     )
     return Calibration(hardware, dev, backend, int(measured["n_ranks"]), int(measured["n_nodes"]), intra, inter,
                        links_from if base is not None else None, seconds,
-                       None if overlap is None else float(overlap))
+                       None if overlap is None else float(overlap), per_kind)
 
 
 # ------------------------------------------------------------------------------ summary
@@ -339,6 +380,14 @@ def format_summary(cal: Calibration) -> str:
                      f"inter {hw.inter_node}")
     else:
         lines += _link_lines("intra_node", cal.intra)
+        if cal.per_collective:
+            lines.append("intra_node rates per collective and group size (Link.per_collective; the pair "
+                         "above prices the rest)")
+            for f in cal.per_collective:
+                p0 = f.points[0]
+                lines.append(f"  {p0.collective:14s} {p0.n_ranks} ranks: B = {f.link.bandwidth_bytes_per_s / 1e9:,.3f} "
+                             f"GB/s, a = {f.link.latency_s * 1e6:,.1f} us; error rms {f.rms_relative_error:.0%}, "
+                             f"max {f.max_relative_error:.0%}")
         if cal.inter is None:
             lines.append("inter_node: same as intra_node (one node: nothing crossed a node boundary)")
         else:

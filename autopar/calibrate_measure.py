@@ -213,13 +213,24 @@ def _time_collective(fn: Callable[[], Any], sync: Callable[[], None], group: Any
     return statistics.median(trials)
 
 
+# What the runtime calls, each timed on its own: gloo's reduce-scatter and all-gather are not
+# the ring algorithms the formulas assume (4 ranks on 2 cores: a reduce-scatter ~1.5x an
+# all-reduce of the same input, an all-gather ~1x), so each gets rates of its own.
+ALL_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
 def _measure_collectives(group: Any, n: int, device: torch.device, quick: bool,
-                         say: Callable[[str], None]) -> list[dict[str, Any]]:
-    """This rank's all-reduce and all-gather times over the message sizes, on ``group`` of ``n`` ranks."""
+                         say: Callable[[str], None],
+                         kinds: tuple[str, ...] = ("all_reduce", "all_gather")) -> list[dict[str, Any]]:
+    """This rank's times of each of ``kinds`` over the message sizes, on ``group`` of ``n``
+    ranks (``bytes_per_rank``: all-reduce and broadcast the tensor, all-gather the gathered
+    output, reduce-scatter the whole input)."""
     sync = _sync_fn(device)
     cuda = device.type == "cuda"
     sizes = (_SIZES_CUDA_QUICK if quick else _SIZES_CUDA) if cuda else (_SIZES_CPU_QUICK if quick else _SIZES_CPU)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    root = 0 if group is None else dist.get_global_rank(group, 0)
     warm = torch.ones(1024, device=device)
     for _ in range(5):  # first collectives on a group pay for set-up (buffers, connections, NCCL comms)
         dist.all_reduce(warm, group=group)
@@ -237,8 +248,12 @@ def _measure_collectives(group: Any, n: int, device: torch.device, quick: bool,
         full = torch.ones(elems, device=device)
         shard = torch.ones(elems // n, device=device)
         out = torch.empty(elems, device=device)
-        for name, fn in (("all_reduce", lambda: dist.all_reduce(full, group=group)),
-                         ("all_gather", lambda: gather(out, shard, group=group))):
+        fns = {"all_reduce": lambda: dist.all_reduce(full, group=group),
+               "all_gather": lambda: gather(out, shard, group=group),
+               "reduce_scatter": lambda: scatter(shard, full, group=group),
+               "broadcast": lambda: dist.broadcast(full, src=root, group=group)}
+        for name in kinds:
+            fn = fns[name]
             seconds = _time_collective(fn, sync, group, device, quick, between)
             points.append(dict(collective=name, bytes_per_rank=elems * 4, n_ranks=n, seconds=seconds))
             say(f"{name} {n} ranks {elems * 4 / 2**20:8.3f} MiB: {seconds * 1e3:8.3f} ms")
@@ -313,11 +328,17 @@ def rank_measure(rank: int, world: int, local_world: int, device: torch.device, 
     if n_nodes > 1:
         local_group, _ = dist.new_subgroups(group_size=local_world)
         say(f"intra-node link: {n_nodes} groups of {local_world} ranks")
-        intra = _measure_collectives(local_group, local_world, device, quick, say)
+        intra = _measure_collectives(local_group, local_world, device, quick, say, ALL_KINDS)
         say(f"inter-node link: all {world} ranks")
         inter = _measure_collectives(None, world, device, quick, say)
     else:
-        intra, inter = _measure_collectives(None, world, device, quick, say), None
+        intra, inter = _measure_collectives(None, world, device, quick, say, ALL_KINDS), None
+    # smaller groups inside a node, all of them at once (as a mesh axis's groups run): a 2-rank
+    # group is not a 4-rank ring with fewer hops where ranks share cores or links
+    for size in (d for d in range(2, local_world) if local_world % d == 0):
+        sub, _ = dist.new_subgroups(group_size=size)
+        say(f"intra-node groups of {size} ranks, all at once")
+        intra += _measure_collectives(sub, size, device, quick, say, ALL_KINDS)
     overlap = _measure_overlap(None, world, device, quick, say)
     everything: list[Any] = [None] * world
     dist.all_gather_object(everything, (device_rates, intra, inter, overlap))

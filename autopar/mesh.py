@@ -30,9 +30,37 @@ class Link:
     name: str
     bandwidth_bytes_per_s: float
     latency_s: float
+    # Measured rates of particular collectives on groups of particular sizes, where they differ
+    # from the one (bandwidth, latency) pair: ``(collective, n_ranks, bandwidth, latency)`` rows,
+    # each the pair that makes that collective's ring formula reproduce what ``autopar calibrate``
+    # timed. gloo on CPU is the case: its reduce-scatter is not a ring reduce-scatter (it costs
+    # ~1.5-2x an all-reduce of the same input, not half of one), its all-gather costs about an
+    # all-reduce, and 2-rank groups are not 4-rank rings with fewer hops. Empty: the ring
+    # formulas with one pair for everything (the built-in GPU profiles).
+    per_collective: tuple[tuple[str, int, float, float], ...] = ()
+
+    def rates(self, collective: str, n_ranks: int) -> tuple[float, float]:
+        """(bandwidth, per-hop latency) to price ``collective`` on a group of ``n_ranks``: the
+        measured row for exactly that collective and group size, else the link's own pair."""
+        for kind, n, bandwidth, latency in self.per_collective:
+            if kind == collective and n == n_ranks:
+                return bandwidth, latency
+        return self.bandwidth_bytes_per_s, self.latency_s
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
+        if self.per_collective:
+            out["per_collective"] = [list(row) for row in self.per_collective]
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Link":
+        rows = tuple((str(k), int(n), float(b), float(a)) for k, n, b, a in d.get("per_collective", ()))
+        return cls(str(d["name"]), float(d["bandwidth_bytes_per_s"]), float(d["latency_s"]), rows)
 
     def __str__(self) -> str:
-        return f"{self.name}({self.bandwidth_bytes_per_s / 1e9:g} GB/s, {self.latency_s * 1e6:g} us)"
+        extra = f", {len(self.per_collective)} measured collective rates" if self.per_collective else ""
+        return f"{self.name}({self.bandwidth_bytes_per_s / 1e9:g} GB/s, {self.latency_s * 1e6:g} us{extra})"
 
 
 # Used when a mesh is written without links (e.g. "dp=2,tp=4"); the planner replaces it

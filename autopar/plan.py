@@ -132,8 +132,7 @@ class Plan:
             "graph_fingerprint": self.graph_fingerprint,
             "n_devices": self.n_devices,
             "mesh": {"axes": dict(zip(self.mesh.axes, self.mesh.sizes)),
-                     "links": [{"name": l.name, "bandwidth_bytes_per_s": l.bandwidth_bytes_per_s,
-                                "latency_s": l.latency_s} for l in self.mesh.links]},
+                     "links": [l.to_json() for l in self.mesh.links]},
             "hardware": self.hardware,
             "strategy": self.strategy,
             "optimizer": self.optimizer,
@@ -213,7 +212,7 @@ class Plan:
         if d.get("format_version") != PLAN_FORMAT_VERSION:
             raise ValueError(f"format_version {d.get('format_version')!r} (this autopar reads {PLAN_FORMAT_VERSION})")
         axes = d["mesh"]["axes"]
-        links = tuple(Link(l["name"], l["bandwidth_bytes_per_s"], l["latency_s"]) for l in d["mesh"].get("links", []))
+        links = tuple(Link.from_json(l) for l in d["mesh"].get("links", []))
         mesh = MeshSpec(tuple(axes), tuple(int(v) for v in axes.values()), links)
         pred, s = d["predicted"], d["solver"]
         return cls(

@@ -25,5 +25,5 @@ def bucketed_all_reduce_s(bytes_per_rank: float, n: int, link: Link) -> float:
     total = all_reduce_s(bytes_per_rank, n, link)
     if total == 0.0:
         return 0.0
-    latency = 2 * (n - 1) * link.latency_s
+    latency = 2 * (n - 1) * link.rates("all_reduce", n)[1]
     return total - latency + latency * min(1.0, bytes_per_rank / GRAD_BUCKET_BYTES)

@@ -11,7 +11,9 @@ and NCCL src/graph/tuning.cc (latency per step), summarised in FACTS.md:
     point-to-point                                    S/B +        a
 
 Sizes are bytes per rank; which size ``S`` is (input or output) is spelled out in each
-function. Every function returns 0.0 when ``n == 1`` or no bytes move.
+function. Every function returns 0.0 when ``n == 1`` or no bytes move. ``B`` and ``a`` are
+``link.rates(collective, n)``: a calibrated link may carry measured rates per collective and
+group size (``Link.per_collective``), else its one pair.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def all_reduce_s(bytes_per_rank: float, n: int, link: Link) -> float:
     if n == 1 or bytes_per_rank == 0:
         return 0.0
     steps = 2 * (n - 1)
-    return steps / n * bytes_per_rank / link.bandwidth_bytes_per_s + steps * link.latency_s
+    bandwidth, latency = link.rates("all_reduce", n)
+    return steps / n * bytes_per_rank / bandwidth + steps * latency
 
 
 def all_gather_s(bytes_out_per_rank: float, n: int, link: Link) -> float:
@@ -67,7 +70,8 @@ def all_gather_s(bytes_out_per_rank: float, n: int, link: Link) -> float:
     _check(bytes_out_per_rank, n)
     if n == 1 or bytes_out_per_rank == 0:
         return 0.0
-    return (n - 1) / n * bytes_out_per_rank / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+    bandwidth, latency = link.rates("all_gather", n)
+    return (n - 1) / n * bytes_out_per_rank / bandwidth + (n - 1) * latency
 
 
 def reduce_scatter_s(bytes_in_per_rank: float, n: int, link: Link) -> float:
@@ -79,7 +83,8 @@ def reduce_scatter_s(bytes_in_per_rank: float, n: int, link: Link) -> float:
     _check(bytes_in_per_rank, n)
     if n == 1 or bytes_in_per_rank == 0:
         return 0.0
-    return (n - 1) / n * bytes_in_per_rank / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+    bandwidth, latency = link.rates("reduce_scatter", n)
+    return (n - 1) / n * bytes_in_per_rank / bandwidth + (n - 1) * latency
 
 
 def all_to_all_s(bytes_per_rank: float, n: int, link: Link) -> float:
@@ -91,7 +96,8 @@ def all_to_all_s(bytes_per_rank: float, n: int, link: Link) -> float:
     _check(bytes_per_rank, n)
     if n == 1 or bytes_per_rank == 0:
         return 0.0
-    return (n - 1) / n * bytes_per_rank / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+    bandwidth, latency = link.rates("all_to_all", n)
+    return (n - 1) / n * bytes_per_rank / bandwidth + (n - 1) * latency
 
 
 def broadcast_s(nbytes: float, n: int, link: Link) -> float:
@@ -104,7 +110,8 @@ def broadcast_s(nbytes: float, n: int, link: Link) -> float:
     _check(nbytes, n)
     if n == 1 or nbytes == 0:
         return 0.0
-    return nbytes / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+    bandwidth, latency = link.rates("broadcast", n)
+    return nbytes / bandwidth + (n - 1) * latency
 
 
 def p2p_s(nbytes: float, link: Link) -> float:
@@ -112,7 +119,8 @@ def p2p_s(nbytes: float, link: Link) -> float:
     _check(nbytes, 2)
     if nbytes == 0:
         return 0.0
-    return nbytes / link.bandwidth_bytes_per_s + link.latency_s
+    bandwidth, latency = link.rates("p2p", 2)
+    return nbytes / bandwidth + latency
 
 
 def collective_s(collective: Collective, nbytes: float, n: int, link: Link) -> float:
@@ -143,7 +151,7 @@ def unit_collective_s(collective: Collective, nbytes: float, n: int, link: Link,
     if full == 0.0 or collective in ("broadcast", "reduce", "p2p"):
         return full
     steps = 2 * (n - 1) if collective == "all_reduce" else n - 1
-    return full - steps * link.latency_s * (1.0 - unit_share)
+    return full - steps * link.rates(collective, n)[1] * (1.0 - unit_share)
 
 
 def bytes_sent_per_rank(collective: Collective, nbytes: float, n: int) -> float:

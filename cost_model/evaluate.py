@@ -116,7 +116,8 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> Prediction:
             # a ZeRO-3 gather (the reshard's last step), prefetched and run once per unit (runtime.fsdp):
             # this parameter pays its unit share of the latency the edge priced in full
             last = transitions(a, b)[-1]
-            n, latency = mesh.sizes[last.axis], mesh.links[last.axis].latency_s
+            n = mesh.sizes[last.axis]
+            latency = mesh.links[last.axis].rates("all_gather", n)[1]
             unit_discount = (n - 1) * latency * (1.0 - shares.get(e.producer, 1.0)) * copies
             edge_s -= unit_discount
             comm_s -= unit_discount

@@ -173,7 +173,7 @@ class Hardware:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            out[f.name] = dataclasses.asdict(value) if isinstance(value, Link) else value
+            out[f.name] = value.to_json() if isinstance(value, Link) else value
         return out
 
     @classmethod
@@ -231,9 +231,15 @@ def _link_from_json(value: Any, field_name: str) -> Link:
     if isinstance(value, Link):
         return value
     keys = ("name", "bandwidth_bytes_per_s", "latency_s")
-    if not isinstance(value, Mapping) or set(value) != set(keys):
-        raise HardwareError(f"hardware profile: {field_name} must be an object with keys {', '.join(keys)}; got {value!r}")
-    return Link(str(value["name"]), float(value["bandwidth_bytes_per_s"]), float(value["latency_s"]))
+    if not isinstance(value, Mapping) or not set(keys) <= set(value) <= set(keys) | {"per_collective"}:
+        raise HardwareError(f"hardware profile: {field_name} must be an object with keys {', '.join(keys)} "
+                            f"(and optionally per_collective); got {value!r}")
+    try:
+        return Link.from_json(value)
+    except (TypeError, ValueError) as exc:
+        raise HardwareError(f"hardware profile: {field_name}.per_collective must be a list of [collective, "
+                            f"n_ranks, bandwidth_bytes_per_s, latency_s] rows; got "
+                            f"{value.get('per_collective')!r} ({exc})") from exc
 
 
 # --------------------------------------------------------------------------------- profiles

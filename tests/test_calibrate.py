@@ -7,7 +7,8 @@ import statistics
 
 import pytest
 
-from autopar.calibrate import CalibrationError, CollectivePoint, calibrate, fit_link
+from autopar.calibrate import (CalibrationError, CollectivePoint, calibrate, fit_link, fit_per_collective,
+                               with_per_collective)
 from autopar.cli import main
 from autopar.cost_model.comm import collective_s
 from autopar.cost_model.hardware import PROFILES, get_hardware
@@ -35,6 +36,22 @@ def test_fit_recovers_the_link_that_generated_the_times(n_ranks):
     assert fit.link.bandwidth_bytes_per_s == pytest.approx(truth.bandwidth_bytes_per_s, rel=1e-9)
     assert fit.link.latency_s == pytest.approx(truth.latency_s, rel=1e-9)
     assert fit.max_relative_error < 1e-9
+
+
+def test_each_collective_and_group_size_gets_the_rates_that_generated_its_times():
+    # gloo-like: reduce-scatter far slower than its ring formula says, pairs not 4-rank rings
+    truths = {("all_reduce", 4): Link("t", 1.5e9, 1e-3), ("reduce_scatter", 4): Link("t", 0.2e9, 3e-3),
+              ("all_gather", 2): Link("t", 0.8e9, 4e-3), ("broadcast", 2): Link("t", 5e9, 2e-3)}
+    points = [CollectivePoint(kind, size, n, collective_s(kind, size, n, truth))
+              for (kind, n), truth in truths.items() for size in (1 << 12, 1 << 16, 1 << 20, 1 << 23)]
+    fits = fit_per_collective(points, "l")
+    assert [(f.points[0].collective, f.points[0].n_ranks) for f in fits] == sorted(truths)
+    link = with_per_collective(Link("l", 1e9, 1e-3), fits)
+    for (kind, n), truth in truths.items():
+        assert link.rates(kind, n) == pytest.approx((truth.bandwidth_bytes_per_s, truth.latency_s), rel=1e-9)
+        for size in (1 << 10, 1 << 22):
+            assert collective_s(kind, size, n, link) == pytest.approx(collective_s(kind, size, n, truth), rel=1e-9)
+    assert link.rates("all_to_all", 4) == (1e9, 1e-3)  # not measured: the link's own pair
 
 
 def test_fit_never_returns_a_negative_latency():
@@ -77,13 +94,19 @@ def test_two_gloo_ranks_calibrate_a_profile_that_plans(tmp_path, capsys, report_
     assert cal.comm_overlap is not None and hw.comm_overlap == cal.comm_overlap and 0.0 <= hw.comm_overlap <= 1.0
     link = hw.intra_node
     assert hw.inter_node == link and math.isfinite(link.bandwidth_bytes_per_s) and link.latency_s >= 0
-    # The profile's link, put through cost_model.comm's formulas, reproduces the measurements.
+    # The link's own pair is fitted to all-reduce and all-gather; every collective the runtime
+    # calls is also timed and fitted on its own, and the profile's link, put through
+    # cost_model.comm's formulas, reproduces each of those fits.
     assert {p.collective for p in cal.intra.points} == {"all_reduce", "all_gather"}
+    assert {(f.points[0].collective, f.points[0].n_ranks) for f in cal.per_collective} == {
+        (k, 2) for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
+    assert len(link.per_collective) == len(cal.per_collective)
     ratios = []
-    for p in cal.intra.points:
-        model_s = collective_s(p.collective, p.bytes_per_rank, p.n_ranks, link)
-        assert model_s == pytest.approx(cal.intra.predicted_seconds(p), rel=1e-12)
-        ratios.append(model_s / p.seconds)
+    for fit in cal.per_collective:
+        for p in fit.points:
+            model_s = collective_s(p.collective, p.bytes_per_rank, p.n_ranks, link)
+            assert model_s == pytest.approx(fit.predicted_seconds(p), rel=1e-12)
+            ratios.append(model_s / p.seconds)
     within = [1 / MEASURED_FIT_FACTOR < r < MEASURED_FIT_FACTOR for r in ratios]
     assert sum(within) >= 0.75 * len(ratios), list(zip(cal.intra.points, ratios))
     assert 1 / MEDIAN_FIT_FACTOR < statistics.median(ratios) < MEDIAN_FIT_FACTOR, list(zip(cal.intra.points, ratios))

@@ -6,6 +6,7 @@ independently of autopar.cost_model.comm, so a wrong factor shows up as a mismat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -260,3 +261,18 @@ def test_zero2_unit_pays_each_collective_latency_once() -> None:
     assert alone == pytest.approx(sum(collective_s(x.collective, x.nbytes, 4, link) for st in steps for x in st))
     # two collectives of 3 ring steps each: once for the unit instead of once per parameter
     assert alone - shared == pytest.approx(2 * 3 * link.latency_s * (len(sizes) - 1))
+
+
+def test_a_link_prices_each_collective_at_its_measured_rates_and_keeps_them_through_json():
+    rows = (("reduce_scatter", 4, 0.2e9, 3e-3), ("all_gather", 2, 0.8e9, 4e-3))
+    link = Link("gloo", 1.5e9, 1e-3, rows)
+    plain = Link("gloo", 1.5e9, 1e-3)
+    size = 8 << 20
+    # a measured row replaces the pair for that collective and group size only
+    assert reduce_scatter_s(size, 4, link) == pytest.approx(3 / 4 * size / 0.2e9 + 3 * 3e-3)
+    assert reduce_scatter_s(size, 2, link) == reduce_scatter_s(size, 2, plain)
+    assert all_gather_s(size, 2, link) == pytest.approx(1 / 2 * size / 0.8e9 + 4e-3)
+    assert all_reduce_s(size, 4, link) == all_reduce_s(size, 4, plain)
+    assert Link.from_json(link.to_json()) == link and Link.from_json(plain.to_json()) == plain
+    hw = dataclasses.replace(get_hardware("cpu"), intra_node=link, inter_node=link)
+    assert Hardware.from_json(json.loads(json.dumps(hw.to_json()))) == hw
