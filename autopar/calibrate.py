@@ -165,6 +165,8 @@ def _coefficients(p: CollectivePoint) -> tuple[float, float]:
     n = p.n_ranks
     if p.collective in ("broadcast", "reduce"):  # pipelined ring: S/B + (n-1) a
         return float(p.bytes_per_rank), float(n - 1)
+    if p.collective == "p2p":  # one send: S/B + a
+        return float(p.bytes_per_rank), 1.0
     steps = 2 * (n - 1) if p.collective == "all_reduce" else n - 1
     return steps / n * p.bytes_per_rank, float(steps)
 

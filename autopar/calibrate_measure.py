@@ -216,7 +216,7 @@ def _time_collective(fn: Callable[[], Any], sync: Callable[[], None], group: Any
 # What the runtime calls, each timed on its own: gloo's reduce-scatter and all-gather are not
 # the ring algorithms the formulas assume (4 ranks on 2 cores: a reduce-scatter ~1.5x an
 # all-reduce of the same input, an all-gather ~1x), so each gets rates of its own.
-ALL_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+ALL_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")  # p2p: on pairs only
 
 
 def _measure_collectives(group: Any, n: int, device: torch.device, quick: bool,
@@ -231,6 +231,14 @@ def _measure_collectives(group: Any, n: int, device: torch.device, quick: bool,
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     root = 0 if group is None else dist.get_global_rank(group, 0)
+    me = dist.get_rank() if group is None else dist.get_group_rank(group, dist.get_rank())
+    peer = (1 - me) if group is None else dist.get_global_rank(group, 1 - me) if n == 2 else -1
+
+    def p2p(t: torch.Tensor) -> None:  # a pipeline stage's send: the pair's first rank to its second
+        if me == 0:
+            dist.send(t, dst=peer)
+        else:
+            dist.recv(t, src=peer)
     warm = torch.ones(1024, device=device)
     for _ in range(5):  # first collectives on a group pay for set-up (buffers, connections, NCCL comms)
         dist.all_reduce(warm, group=group)
@@ -251,8 +259,9 @@ def _measure_collectives(group: Any, n: int, device: torch.device, quick: bool,
         fns = {"all_reduce": lambda: dist.all_reduce(full, group=group),
                "all_gather": lambda: gather(out, shard, group=group),
                "reduce_scatter": lambda: scatter(shard, full, group=group),
-               "broadcast": lambda: dist.broadcast(full, src=root, group=group)}
-        for name in kinds:
+               "broadcast": lambda: dist.broadcast(full, src=root, group=group),
+               "p2p": lambda: p2p(full)}
+        for name in (k for k in kinds if k != "p2p" or n == 2):
             fn = fns[name]
             seconds = _time_collective(fn, sync, group, device, quick, between)
             points.append(dict(collective=name, bytes_per_rank=elems * 4, n_ranks=n, seconds=seconds))

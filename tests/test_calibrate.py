@@ -41,7 +41,8 @@ def test_fit_recovers_the_link_that_generated_the_times(n_ranks):
 def test_each_collective_and_group_size_gets_the_rates_that_generated_its_times():
     # gloo-like: reduce-scatter far slower than its ring formula says, pairs not 4-rank rings
     truths = {("all_reduce", 4): Link("t", 1.5e9, 1e-3), ("reduce_scatter", 4): Link("t", 0.2e9, 3e-3),
-              ("all_gather", 2): Link("t", 0.8e9, 4e-3), ("broadcast", 2): Link("t", 5e9, 2e-3)}
+              ("all_gather", 2): Link("t", 0.8e9, 4e-3), ("broadcast", 2): Link("t", 5e9, 2e-3),
+              ("p2p", 2): Link("t", 3e9, 1e-3)}
     points = [CollectivePoint(kind, size, n, collective_s(kind, size, n, truth))
               for (kind, n), truth in truths.items() for size in (1 << 12, 1 << 16, 1 << 20, 1 << 23)]
     fits = fit_per_collective(points, "l")
@@ -99,7 +100,7 @@ def test_two_gloo_ranks_calibrate_a_profile_that_plans(tmp_path, capsys, report_
     # cost_model.comm's formulas, reproduces each of those fits.
     assert {p.collective for p in cal.intra.points} == {"all_reduce", "all_gather"}
     assert {(f.points[0].collective, f.points[0].n_ranks) for f in cal.per_collective} == {
-        (k, 2) for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
+        (k, 2) for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")}
     assert len(link.per_collective) == len(cal.per_collective)
     ratios = []
     for fit in cal.per_collective:
