@@ -47,7 +47,7 @@ from autopar.errors import AutoparError, format_bytes
 
 from .problem import Problem
 
-__all__ = ["SolveResult", "InfeasibleBudgetError", "solve", "min_memory_bytes"]
+__all__ = ["SolveResult", "LPDuals", "InfeasibleBudgetError", "solve", "min_memory_bytes"]
 
 
 class InfeasibleBudgetError(AutoparError):
@@ -56,6 +56,17 @@ class InfeasibleBudgetError(AutoparError):
     def __init__(self, message: str, need_bytes: float = float("nan")):
         super().__init__(message)
         self.need_bytes = need_bytes
+
+
+@dataclass(frozen=True)
+class LPDuals:
+    """The memory rows' duals of an optimal LP relaxation, in seconds of objective per byte over
+    the budget (HiGHS's signs: <= 0; 0 where a row is slack or absent). Where both are 0 the
+    memory rows do not bind: the LP without them has the same optimum (LP duality), so every
+    plan that keeps the other rows costs at least the LP's objective, whatever its memory."""
+
+    memory: float  # the device memory row's
+    host: float  # the host memory row's (ZeRO-Offload)
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,9 @@ class SolveResult:
     n_variables: int
     n_constraints: int
     integral: bool = True  # False for an LP relaxation whose solution is fractional
+    # LP relaxations (``relax=True``) solved to optimality by HiGHS: their memory rows' duals
+    # (None for a MIP, CBC, or an LP stopped early); ``autopar.zero2_bound`` reads them
+    duals: "LPDuals | None" = None
 
     @property
     def gap(self) -> float:
@@ -260,7 +274,8 @@ def _new_highs(highspy):
     return h
 
 
-def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False) -> tuple[str, np.ndarray | None, float, float]:
+def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False
+                 ) -> tuple[str, np.ndarray | None, float, float, np.ndarray | None]:
     import highspy
 
     h = _new_highs(highspy)
@@ -285,18 +300,21 @@ def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False) -> tuple[s
     status = h.modelStatusToString(h.getModelStatus())
     info = h.getInfo()
     if status in ("Infeasible", "Primal infeasible or unbounded"):
-        return "Infeasible", None, float("nan"), float("nan")
+        return "Infeasible", None, float("nan"), float("nan"), None
     if info.primal_solution_status == 0:  # no feasible point found in time
-        return status, None, float("nan"), float("nan")
-    values = np.asarray(h.getSolution().col_value)
+        return status, None, float("nan"), float("nan"), None
+    solution = h.getSolution()
+    values = np.asarray(solution.col_value)
+    duals = np.asarray(solution.row_dual) if relax and status == "Optimal" and solution.dual_valid else None
     objective = float(info.objective_function_value)
     bound = objective if relax else float(info.mip_dual_bound)
     if not (bound == bound and abs(bound) < 1e30):
         bound = objective if status == "Optimal" else float("nan")
-    return ("Optimal" if status == "Optimal" else status), values, objective, min(bound, objective)
+    return ("Optimal" if status == "Optimal" else status), values, objective, min(bound, objective), duals
 
 
-def _solve_cbc(m: _Model, time_limit_s: float, relax: bool = False) -> tuple[str, np.ndarray | None, float, float]:
+def _solve_cbc(m: _Model, time_limit_s: float, relax: bool = False
+               ) -> tuple[str, np.ndarray | None, float, float, np.ndarray | None]:
     import pulp
 
     def build(relax: bool):
@@ -322,12 +340,12 @@ def _solve_cbc(m: _Model, time_limit_s: float, relax: bool = False) -> tuple[str
     prob, cols = build(relax=relax)
     status = pulp.LpStatus[prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=int(max(1, time_limit_s))))]
     if status == "Infeasible":
-        return "Infeasible", None, float("nan"), float("nan")
+        return "Infeasible", None, float("nan"), float("nan"), None
     values = np.array([v.value() or 0.0 for v in cols])
     objective = float(prob.objective.value() or 0.0)
     relaxed, _ = build(relax=True)
     relaxed.solve(pulp.PULP_CBC_CMD(msg=False))
-    return status, values, objective, min(float(relaxed.objective.value() or 0.0), objective)
+    return status, values, objective, min(float(relaxed.objective.value() or 0.0), objective), None
 
 
 def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: str = "highs",
@@ -349,8 +367,11 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     edge_memory = _add_edges(m, problem, x, edge_cols)
     _add_syncs(m, problem, x)
     r_cols, recompute_memory = _add_recompute(m, problem, x, edge_cols)
+    memory_rows = [len(m.row_lower)]
     _add_memory(m, problem, x, memory_budget_bytes, edge_memory + recompute_memory)
+    memory_rows.append(len(m.row_lower))
     _add_host_memory(m, problem, x)
+    memory_rows.append(len(m.row_lower))
     backends = {"highs": _solve_highs, "cbc": _solve_cbc}
     order = [solver] + [s for s in backends if s != solver]
     result, used, errors = None, None, []
@@ -363,7 +384,7 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
             errors.append(f"{name}: {exc}")
     if result is None:
         raise AutoparError(f"no ILP solver worked ({'; '.join(errors)}); install highspy or PuLP")
-    status, values, objective, bound = result
+    status, values, objective, bound, duals = result
     if status == "Infeasible":
         need = min_memory_bytes(problem)
         raise InfeasibleBudgetError(
@@ -379,5 +400,8 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     integral = bool(np.all(np.minimum(values[m_int := np.asarray(m.integer)], 1 - values[m_int]) < 1e-6))
     if relax and integral:
         status = "Optimal"  # an integral LP optimum is the ILP optimum: no branching needed
+    lp_duals = None if duals is None else LPDuals(*(
+        float(duals[start]) / _TIME_SCALE * _MEMORY_SCALE if end > start else 0.0
+        for start, end in zip(memory_rows, memory_rows[1:])))
     return SolveResult(choice, objective, bound, status, used, time.perf_counter() - t0,
-                       len(m.cost), len(m.row_lower), integral)
+                       len(m.cost), len(m.row_lower), integral, lp_duals)
