@@ -107,8 +107,13 @@ class _Model:
     integer: list[bool] = field(default_factory=list)
     row_lower: list[float] = field(default_factory=list)
     row_upper: list[float] = field(default_factory=list)
-    row_names: list[str] = field(default_factory=list)
-    entries: list[tuple[int, int, float]] = field(default_factory=list)  # (row, col, value)
+    # what each row is, e.g. "one_option[linear]" or ("edge_out", producer, consumer, layout): edge
+    # rows keep their parts unformatted (formatting their layouts cost more than the rest of a row)
+    row_names: list = field(default_factory=list)
+    # the coefficients: entry k is (entry_rows[k], entry_cols[k], entry_values[k]), rows in order
+    entry_rows: list[int] = field(default_factory=list)
+    entry_cols: list[int] = field(default_factory=list)
+    entry_values: list[float] = field(default_factory=list)
 
     def col(self, cost_s: float, integer: bool = False) -> int:
         self.cost.append(cost_s * _TIME_SCALE)
@@ -116,12 +121,27 @@ class _Model:
         self.integer.append(integer)
         return len(self.cost) - 1
 
-    def row(self, name: str, coeffs: list[tuple[int, float]], lower: float, upper: float) -> None:
+    def row(self, name: "str | tuple", coeffs: list[tuple[int, float]], lower: float, upper: float) -> None:
         r = len(self.row_lower)
         self.row_lower.append(lower)
         self.row_upper.append(upper)
         self.row_names.append(name)
-        self.entries.extend((r, c, v) for c, v in coeffs)
+        self.entry_rows.extend([r] * len(coeffs))
+        self.entry_cols.extend(c for c, _ in coeffs)
+        self.entry_values.extend(v for _, v in coeffs)
+
+    @property
+    def entries(self) -> list[tuple[int, int, float]]:
+        """(row, column, value) of every coefficient."""
+        return list(zip(self.entry_rows, self.entry_cols, self.entry_values))
+
+    def sorted_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, columns, values) in the order ``sorted(self.entries)`` gives, by numpy."""
+        rows = np.asarray(self.entry_rows, dtype=np.int64)
+        cols = np.asarray(self.entry_cols, dtype=np.int64)
+        vals = np.asarray(self.entry_values, dtype=np.float64)
+        order = np.lexsort((vals, cols, rows))
+        return rows[order], cols[order], vals[order]
 
 
 def _add_decisions(m: _Model, problem: Problem) -> dict[str, list[int]]:
@@ -154,9 +174,9 @@ def _add_edges(m: _Model, problem: Problem, x, cols: dict | None = None) -> list
         for j, b in enumerate(edge.consumer_layouts):
             in_rows[b].append((x[edge.consumer][j], -1.0))
         for a, coeffs in out_rows.items():
-            m.row(f"edge_out[{edge.producer}->{edge.consumer}:{a}]", coeffs, 0.0, 0.0)
+            m.row(("edge_out", edge.producer, edge.consumer, a), coeffs, 0.0, 0.0)
         for b, coeffs in in_rows.items():
-            m.row(f"edge_in[{edge.producer}->{edge.consumer}:{b}]", coeffs, 0.0, 0.0)
+            m.row(("edge_in", edge.producer, edge.consumer, b), coeffs, 0.0, 0.0)
     return memory
 
 
@@ -290,12 +310,10 @@ def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False
     ints = np.flatnonzero(np.asarray(m.integer) & (not relax)).astype(np.int32)
     if len(ints):
         h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
-    entries = sorted(m.entries)
-    rows = np.fromiter((r for r, _, _ in entries), dtype=np.int64, count=len(entries))
+    rows, cols, vals = m.sorted_entries()
     starts = np.searchsorted(rows, np.arange(len(m.row_lower))).astype(np.int32)
     h.addRows(len(m.row_lower), np.clip(np.asarray(m.row_lower), -inf, inf), np.clip(np.asarray(m.row_upper), -inf, inf),
-              len(entries), starts, np.array([c for _, c, _ in entries], dtype=np.int32),
-              np.array([v for _, _, v in entries]))
+              len(rows), starts, cols.astype(np.int32), vals)
     h.run()
     status = h.modelStatusToString(h.getModelStatus())
     info = h.getInfo()
