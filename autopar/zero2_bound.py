@@ -14,7 +14,9 @@ recomputed), and x the same layouts with neither. Then
 * where the LP's memory rows do not bind (their duals are 0, ``cost_model.ilp.LPDuals``), the LP
   without them has the same optimum, so step(x) >= LP however much memory x needs.
 
-So LP - S bounds every plan of the mesh with the wider options. Where a memory row binds, x
+So LP - S bounds every plan of the mesh with the wider options, and so does the sum of every
+decision's cheapest option (ZeRO-2 ones included; edges, all-reduces and recompute cost >= 0):
+the larger of the two is taken. Where a memory row binds, x
 (which may need more memory than y) is not bounded by the LP: no bound is given (NaN), and the
 mesh search runs the pass with the options instead. On the counterexample of
 ``tests/test_search_completeness.py`` (a wide MLP at batch 16384 on 8 devices) LP - S is the best
@@ -44,21 +46,27 @@ def options_bound(problem: Problem, lp: SolveResult, hw: Hardware) -> float:
     y = lp.duals
     if y is None or y.memory != 0.0 or y.host != 0.0:
         return math.nan
-    return lp.objective_s - zero2_saving_s(problem, hw)
+    saving, floor = zero2_saving_s(problem, hw)
+    return max(lp.objective_s - saving, floor)
 
 
-def zero2_saving_s(problem: Problem, hw: Hardware) -> float:
-    """The most ZeRO-2 options could take off the objective of any plan of ``problem`` (a
-    problem built without them): per parameter decision, the largest saving over its layouts."""
+def zero2_saving_s(problem: Problem, hw: Hardware) -> tuple[float, float]:
+    """(the most ZeRO-2 options could take off the objective of any plan of ``problem`` (a
+    problem built without them): per parameter decision, the largest saving over its layouts;
+    a floor under every plan with them: each decision's cheapest option, ZeRO-2 ones included,
+    as edges, gradient all-reduces and recomputes cost >= 0). The floor holds where the first
+    can exceed the LP (a layout whose all-reduces ZeRO-2 would release but which no good plan
+    takes: GPT-2 XL on m0=2,m1=32)."""
     mesh, train = problem.mesh, problem.train
     released = _released_s(problem)
-    total = 0.0
+    total = floor = 0.0
     for key, d in problem.decisions.items():
+        floor += min(d.seconds, default=0.0)
         if not d.is_param:
             continue
         numel, target = d.node.meta["val"].numel(), str(d.node.target)
-        most = 0.0
-        for st, zero in d.options:
+        most, cheapest = 0.0, min(d.seconds, default=0.0)
+        for i, (st, zero) in enumerate(d.options):
             # the ZeRO-2 option cost_model.problem offers beside this one: every replicated axis
             axes = tuple(a for a, p in enumerate(st.output.placements) if isinstance(p, Replicate) and mesh.sizes[a] > 1)
             if zero or not axes:
@@ -68,8 +76,10 @@ def zero2_saving_s(problem: Problem, hw: Hardware) -> float:
             share = problem.unit_shares.get(key, 1.0) if len(axes) == 1 else 1.0
             comm = zero2_seconds(zero2_steps(numel, st.output, axes, mesh, train.activation_bytes_per_elem), mesh, share)
             most = max(most, (keep - split - comm) * d.count + sum(released[(key, a)] for a in axes))
+            cheapest = min(cheapest, d.seconds[i] - (keep - split - comm) * d.count)
         total += most
-    return total
+        floor += cheapest - min(d.seconds, default=0.0)
+    return total, floor
 
 
 def _released_s(problem: Problem) -> dict[tuple[str, int], float]:
