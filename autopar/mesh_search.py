@@ -23,6 +23,7 @@ from .errors import AutoparError, format_bytes
 from .mesh import MeshSpec
 from .passes.annotate import annotate
 from .technique import Pin
+from .zero2_bound import options_bound
 
 __all__ = ["Progress", "QUIET", "Solved", "Bound", "prepare_problem", "solve_mesh", "mesh_bounds", "search_meshes",
            "rounded_lp", "search_with_zero2", "search_quiet", "plan_bound"]
@@ -41,6 +42,9 @@ class Solved:
     # meshes the solver could not bound (a status such as 'Solve error'): the search is not exact
     # over them, so the plan reports no lower bound (NaN), never one that may not hold
     unbounded: tuple[str, ...] = ()
+    # a first pass's (no ZeRO-2, no recompute options): the least step time any plan on any
+    # mesh it bounded could take WITH those options (``options_bound``); NaN where unknown
+    options_bound: float = math.nan
 
 
 def prepare_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: TrainingSpec, pin: Pin | None,
@@ -138,6 +142,8 @@ class Bound:
     problem: Problem | None = None
     lp: SolveResult | None = None
     tight: bool = False  # the LP's rounded plan needs over 90% of the budget: memory may bind
+    # first pass only: a bound on this mesh's plans with ZeRO-2 and recompute options too
+    options_bound: float = math.nan
 
 
 def mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: bool = False
@@ -163,7 +169,8 @@ def mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: boo
             failed.append(str(mesh))
             continue
         tight = evaluate(problem, lp.choice).peak_memory_bytes > 0.9 * budget if budget is not None else False
-        out.append(Bound(index, lp.objective_s, lp.integral, problem, lp, tight))
+        wider = math.nan if zero2 else options_bound(problem, lp, hw)
+        out.append(Bound(index, lp.objective_s, lp.integral, problem, lp, tight, wider))
         progress(f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars"
                             f"{', integral' if lp.integral else ''})")
     return out, need, pin_error, tuple(failed)
@@ -256,6 +263,8 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
         best.search_bound = min(bound, best.prediction.step_seconds)
         best.unbounded = failed
         best.tight_elsewhere = math.isfinite(infeasible_need) or any(b.tight for b in bounded)
+        wider = [b.options_bound for b in bounded]
+        best.options_bound = min(wider) if wider and all(w == w for w in wider) else math.nan
     return best, solved, note
 
 
@@ -293,11 +302,15 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
         raise
     except AutoparError as exc:  # nothing fits, or the solver failed on every mesh: the second pass may plan
         best, n_solved, note, error = None, 0, "", exc
-    if best is not None and best.prediction.peak_memory_bytes <= 0.9 * budget and not best.tight_elsewhere:
+    if (best is not None and best.prediction.peak_memory_bytes <= 0.9 * budget and not best.tight_elsewhere
+            and best.options_bound == best.options_bound):
         # Memory is not tight on any mesh. ZeRO-2 could still shorten the optimizer step a little;
         # its ILP is too slow to try every time (6 s for gpt2 on one mesh), and the zero2
         # baseline catches the cases where it is faster (plan() never returns a slower plan).
-        return best, n_solved, note
+        # The reported bound must hold for those options too: the first pass's LPs with the
+        # columns they lack priced by its duals (autopar.zero2_bound; where that gives no bound,
+        # a memory row binds somewhere, and the pass runs).
+        return _widened(best), n_solved, note
     # Memory may bind on some mesh, not only on the best one: there ZeRO-2 and recompute can buy
     # faster layouts, so the first pass's bounds do not bound that mesh's plans (a 7.5B GPT on
     # 128 A100s: m0=16,m1=2,m2=4 fit loosely, while dp=32,tp=4 with recompute is faster).
@@ -312,9 +325,9 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
     except AutoparError:
         if best is None:
             raise error
-        return best, n_solved, note
+        return _widened(best), n_solved, note
     if again is None:
-        return best, n_solved + n_again, note
+        return _widened(best), n_solved + n_again, note
     if best is None or again.prediction.step_seconds < best.prediction.step_seconds:
         if best is not None:
             again.unbounded += best.unbounded
@@ -322,6 +335,17 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
     best.search_bound = min(best.search_bound, again.search_bound)
     best.unbounded += again.unbounded
     return best, n_solved + n_again, note + " (bounds with ZeRO-2 and recompute options)"
+
+
+def _widened(best: Solved) -> Solved:
+    """A first pass's plan whose search bound also holds for ZeRO-2 and recompute options (the
+    second pass did not bound them): min with ``options_bound``; where that is unknown, the plan
+    reports no bound."""
+    if best.options_bound == best.options_bound:
+        best.search_bound = min(best.search_bound, best.options_bound)
+    else:
+        best.unbounded += ("ZeRO-2/recompute options (no LP dual prices)",)
+    return best
 
 
 def search_quiet(gm, meshes_and_pins, hw, train, budget, time_limit_s):

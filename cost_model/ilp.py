@@ -47,7 +47,7 @@ from autopar.errors import AutoparError, format_bytes
 
 from .problem import Problem
 
-__all__ = ["SolveResult", "InfeasibleBudgetError", "solve", "min_memory_bytes"]
+__all__ = ["SolveResult", "LPDuals", "InfeasibleBudgetError", "solve", "min_memory_bytes"]
 
 
 class InfeasibleBudgetError(AutoparError):
@@ -56,6 +56,17 @@ class InfeasibleBudgetError(AutoparError):
     def __init__(self, message: str, need_bytes: float = float("nan")):
         super().__init__(message)
         self.need_bytes = need_bytes
+
+
+@dataclass(frozen=True)
+class LPDuals:
+    """The memory rows' duals of an optimal LP relaxation, in seconds of objective per byte over
+    the budget (HiGHS's signs: <= 0; 0 where a row is slack or absent). Where both are 0 the
+    memory rows do not bind: the LP without them has the same optimum (LP duality), so every
+    plan that keeps the other rows costs at least the LP's objective, whatever its memory."""
+
+    memory: float  # the device memory row's
+    host: float  # the host memory row's (ZeRO-Offload)
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,9 @@ class SolveResult:
     n_variables: int
     n_constraints: int
     integral: bool = True  # False for an LP relaxation whose solution is fractional
+    # LP relaxations (``relax=True``) solved to optimality by HiGHS: their memory rows' duals
+    # (None for a MIP, CBC, or an LP stopped early); ``autopar.zero2_bound`` reads them
+    duals: "LPDuals | None" = None
 
     @property
     def gap(self) -> float:
@@ -93,8 +107,13 @@ class _Model:
     integer: list[bool] = field(default_factory=list)
     row_lower: list[float] = field(default_factory=list)
     row_upper: list[float] = field(default_factory=list)
-    row_names: list[str] = field(default_factory=list)
-    entries: list[tuple[int, int, float]] = field(default_factory=list)  # (row, col, value)
+    # what each row is, e.g. "one_option[linear]" or ("edge_out", producer, consumer, layout): edge
+    # rows keep their parts unformatted (formatting their layouts cost more than the rest of a row)
+    row_names: list = field(default_factory=list)
+    # the coefficients: entry k is (entry_rows[k], entry_cols[k], entry_values[k]), rows in order
+    entry_rows: list[int] = field(default_factory=list)
+    entry_cols: list[int] = field(default_factory=list)
+    entry_values: list[float] = field(default_factory=list)
 
     def col(self, cost_s: float, integer: bool = False) -> int:
         self.cost.append(cost_s * _TIME_SCALE)
@@ -102,12 +121,27 @@ class _Model:
         self.integer.append(integer)
         return len(self.cost) - 1
 
-    def row(self, name: str, coeffs: list[tuple[int, float]], lower: float, upper: float) -> None:
+    def row(self, name: "str | tuple", coeffs: list[tuple[int, float]], lower: float, upper: float) -> None:
         r = len(self.row_lower)
         self.row_lower.append(lower)
         self.row_upper.append(upper)
         self.row_names.append(name)
-        self.entries.extend((r, c, v) for c, v in coeffs)
+        self.entry_rows.extend([r] * len(coeffs))
+        self.entry_cols.extend(c for c, _ in coeffs)
+        self.entry_values.extend(v for _, v in coeffs)
+
+    @property
+    def entries(self) -> list[tuple[int, int, float]]:
+        """(row, column, value) of every coefficient."""
+        return list(zip(self.entry_rows, self.entry_cols, self.entry_values))
+
+    def sorted_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, columns, values) in the order ``sorted(self.entries)`` gives, by numpy."""
+        rows = np.asarray(self.entry_rows, dtype=np.int64)
+        cols = np.asarray(self.entry_cols, dtype=np.int64)
+        vals = np.asarray(self.entry_values, dtype=np.float64)
+        order = np.lexsort((vals, cols, rows))
+        return rows[order], cols[order], vals[order]
 
 
 def _add_decisions(m: _Model, problem: Problem) -> dict[str, list[int]]:
@@ -140,9 +174,9 @@ def _add_edges(m: _Model, problem: Problem, x, cols: dict | None = None) -> list
         for j, b in enumerate(edge.consumer_layouts):
             in_rows[b].append((x[edge.consumer][j], -1.0))
         for a, coeffs in out_rows.items():
-            m.row(f"edge_out[{edge.producer}->{edge.consumer}:{a}]", coeffs, 0.0, 0.0)
+            m.row(("edge_out", edge.producer, edge.consumer, a), coeffs, 0.0, 0.0)
         for b, coeffs in in_rows.items():
-            m.row(f"edge_in[{edge.producer}->{edge.consumer}:{b}]", coeffs, 0.0, 0.0)
+            m.row(("edge_in", edge.producer, edge.consumer, b), coeffs, 0.0, 0.0)
     return memory
 
 
@@ -260,7 +294,8 @@ def _new_highs(highspy):
     return h
 
 
-def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False) -> tuple[str, np.ndarray | None, float, float]:
+def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False
+                 ) -> tuple[str, np.ndarray | None, float, float, np.ndarray | None]:
     import highspy
 
     h = _new_highs(highspy)
@@ -275,28 +310,29 @@ def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False) -> tuple[s
     ints = np.flatnonzero(np.asarray(m.integer) & (not relax)).astype(np.int32)
     if len(ints):
         h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
-    entries = sorted(m.entries)
-    rows = np.fromiter((r for r, _, _ in entries), dtype=np.int64, count=len(entries))
+    rows, cols, vals = m.sorted_entries()
     starts = np.searchsorted(rows, np.arange(len(m.row_lower))).astype(np.int32)
     h.addRows(len(m.row_lower), np.clip(np.asarray(m.row_lower), -inf, inf), np.clip(np.asarray(m.row_upper), -inf, inf),
-              len(entries), starts, np.array([c for _, c, _ in entries], dtype=np.int32),
-              np.array([v for _, _, v in entries]))
+              len(rows), starts, cols.astype(np.int32), vals)
     h.run()
     status = h.modelStatusToString(h.getModelStatus())
     info = h.getInfo()
     if status in ("Infeasible", "Primal infeasible or unbounded"):
-        return "Infeasible", None, float("nan"), float("nan")
+        return "Infeasible", None, float("nan"), float("nan"), None
     if info.primal_solution_status == 0:  # no feasible point found in time
-        return status, None, float("nan"), float("nan")
-    values = np.asarray(h.getSolution().col_value)
+        return status, None, float("nan"), float("nan"), None
+    solution = h.getSolution()
+    values = np.asarray(solution.col_value)
+    duals = np.asarray(solution.row_dual) if relax and status == "Optimal" and solution.dual_valid else None
     objective = float(info.objective_function_value)
     bound = objective if relax else float(info.mip_dual_bound)
     if not (bound == bound and abs(bound) < 1e30):
         bound = objective if status == "Optimal" else float("nan")
-    return ("Optimal" if status == "Optimal" else status), values, objective, min(bound, objective)
+    return ("Optimal" if status == "Optimal" else status), values, objective, min(bound, objective), duals
 
 
-def _solve_cbc(m: _Model, time_limit_s: float, relax: bool = False) -> tuple[str, np.ndarray | None, float, float]:
+def _solve_cbc(m: _Model, time_limit_s: float, relax: bool = False
+               ) -> tuple[str, np.ndarray | None, float, float, np.ndarray | None]:
     import pulp
 
     def build(relax: bool):
@@ -322,12 +358,12 @@ def _solve_cbc(m: _Model, time_limit_s: float, relax: bool = False) -> tuple[str
     prob, cols = build(relax=relax)
     status = pulp.LpStatus[prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=int(max(1, time_limit_s))))]
     if status == "Infeasible":
-        return "Infeasible", None, float("nan"), float("nan")
+        return "Infeasible", None, float("nan"), float("nan"), None
     values = np.array([v.value() or 0.0 for v in cols])
     objective = float(prob.objective.value() or 0.0)
     relaxed, _ = build(relax=True)
     relaxed.solve(pulp.PULP_CBC_CMD(msg=False))
-    return status, values, objective, min(float(relaxed.objective.value() or 0.0), objective)
+    return status, values, objective, min(float(relaxed.objective.value() or 0.0), objective), None
 
 
 def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: str = "highs",
@@ -349,8 +385,11 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     edge_memory = _add_edges(m, problem, x, edge_cols)
     _add_syncs(m, problem, x)
     r_cols, recompute_memory = _add_recompute(m, problem, x, edge_cols)
+    memory_rows = [len(m.row_lower)]
     _add_memory(m, problem, x, memory_budget_bytes, edge_memory + recompute_memory)
+    memory_rows.append(len(m.row_lower))
     _add_host_memory(m, problem, x)
+    memory_rows.append(len(m.row_lower))
     backends = {"highs": _solve_highs, "cbc": _solve_cbc}
     order = [solver] + [s for s in backends if s != solver]
     result, used, errors = None, None, []
@@ -363,7 +402,7 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
             errors.append(f"{name}: {exc}")
     if result is None:
         raise AutoparError(f"no ILP solver worked ({'; '.join(errors)}); install highspy or PuLP")
-    status, values, objective, bound = result
+    status, values, objective, bound, duals = result
     if status == "Infeasible":
         need = min_memory_bytes(problem)
         raise InfeasibleBudgetError(
@@ -379,5 +418,8 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     integral = bool(np.all(np.minimum(values[m_int := np.asarray(m.integer)], 1 - values[m_int]) < 1e-6))
     if relax and integral:
         status = "Optimal"  # an integral LP optimum is the ILP optimum: no branching needed
+    lp_duals = None if duals is None else LPDuals(*(
+        float(duals[start]) / _TIME_SCALE * _MEMORY_SCALE if end > start else 0.0
+        for start, end in zip(memory_rows, memory_rows[1:])))
     return SolveResult(choice, objective, bound, status, used, time.perf_counter() - t0,
-                       len(m.cost), len(m.row_lower), integral)
+                       len(m.cost), len(m.row_lower), integral, lp_duals)

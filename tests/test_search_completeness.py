@@ -133,3 +133,54 @@ def test_a_budget_under_every_plans_least_memory_never_reaches_the_solver(monkey
     with pytest.raises(InfeasibleBudgetError, match="smallest any plan needs") as err:
         solve(problem, need * 0.99)
     assert err.value.need_bytes == pytest.approx(need)
+
+
+def test_the_reported_bound_holds_for_zero2_options_when_their_pass_does_not_run():
+    # A wide MLP at a large batch on 8 devices: memory is loose on every mesh, so the ZeRO-2 /
+    # recompute pass does not run, yet a ZeRO-2 plan (its optimizer step split over the data
+    # axis) is faster than the first pass's bound. The first pass's LP bound (420.9 us) was
+    # reported above that plan (401.2 us); the bound now takes off what ZeRO-2 could save.
+    model, inputs = mlp(MLPConfig(in_features=1024, hidden=1024, out_features=1024, depth=2), batch_size=16384,
+                        device="meta")
+    gm = trace(model, inputs, stack_traces=False)
+    got = plan(gm, N, baselines=False, pipeline=False)
+    assert "with ZeRO-2" not in got.solver.mesh_search  # the second pass did not run
+    want = _brute_force(gm, None)
+    assert want < got.step_seconds * (1 - 1e-3)  # the case: a ZeRO-2 plan beats the plan returned
+    assert got.solver.lower_bound <= want * (1 + 1e-6), (got.solver.lower_bound, want, str(got.mesh))
+    assert got.step_seconds <= want * (1 + 1e-4) + got.solver.gap * got.step_seconds
+
+
+def test_mesh_search_ilps_share_the_time_limit_by_time_not_by_count(monkeypatch):
+    # Past max_ilps ILPs the next one starts while its 1/max_ilps share still fits in the time
+    # limit (7.5B GPT on 128: the fourth ILP was the best plan, 1.6 s away); a count rule stops
+    # at max_ilps whatever they took. Six meshes whose bounds all beat every plan found.
+    import types
+
+    import autopar.mesh_search as mesh_search
+
+    clock = [0.0]
+    monkeypatch.setattr(mesh_search, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    meshes = [(f"mesh{i}", None) for i in range(6)]
+    lp = types.SimpleNamespace(integral=False, objective_s=0.0)
+
+    def bounds(gm, items, *args, **kwargs):
+        return [mesh_search.Bound(i, 1e-3 * (i + 1), False, problem=object(), lp=lp) for i, _ in items], math.inf, "", ()
+
+    def run(ilp_seconds):
+        def solve_mesh(problem, budget, time_limit_s, first=None):
+            clock[0] += ilp_seconds
+            result = types.SimpleNamespace(lower_bound_s=0.0, status="Optimal", seconds=ilp_seconds)
+            return mesh_search.Solved("m", problem, result, types.SimpleNamespace(step_seconds=1.0,
+                                                                                 peak_memory_bytes=0.0))
+
+        monkeypatch.setattr(mesh_search, "solve_mesh", solve_mesh)
+        return mesh_search.search_meshes(None, meshes, None, None, None, 60.0, mesh_search.QUIET, max_ilps=3)
+
+    monkeypatch.setattr(mesh_search, "mesh_bounds", bounds)
+    best, solved, note = run(0.5)  # quick ILPs: all six fit in the limit
+    assert solved == 6 and "stopped" not in note, (solved, note)
+    best, solved, note = run(20.0)  # each takes its whole share: three, then the limit is spent
+    assert solved == 3 and "stopped after 3 ILPs" in note, (solved, note)
+    best, solved, note = run(13.0)  # 3 x 13 s + a 20-s share <= 60 s: a fourth starts, then no fifth
+    assert solved == 4, (solved, note)
