@@ -15,7 +15,10 @@ same ``grad_sync`` steps and nothing else. Such a parameter's sync is run here i
   of the bucket, which now holds the sum (DDP's ``gradient_as_bucket_view``: no copy out of
   the bucket; the gradient autograd made is dropped), so a plain ``loss.backward();
   opt.step()`` sees synchronized gradients. The next backward overwrites the slot: a gradient
-  kept across steps must be cloned (``ParallelModule.full_grads`` does).
+  kept across steps must be cloned (``ParallelModule.full_grads`` does);
+* a bucket of one parameter (the first, small bucket holds a large one alone: the GPT's head)
+  needs no flat buffer: once AccumulateGrad has made the fresh gradient ``.grad`` (a
+  post-accumulate hook), that tensor itself is all-reduced in place, with no copy at all.
 
 Accumulation across backward calls stays exact: when ``.grad`` already holds a value the hook
 sets it aside (a copy, if it is the slot itself) and the callback adds it to the sum.
@@ -69,6 +72,13 @@ class _Bucket:
     ready: dict[int, torch.Tensor | None] = field(default_factory=dict)  # index -> the .grad it had, or None
     work: object = None
     launched: bool = False
+    alone: torch.Tensor | None = None  # this step's buffer when it is the one parameter's own .grad
+    pending: bool = False  # that parameter's fresh gradient is on its way to .grad (no reference
+    # held here meanwhile: AccumulateGrad takes a tensor nobody else holds without copying it)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.flat if self.alone is None else self.alone
 
     def allocate(self) -> None:
         self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
@@ -110,6 +120,10 @@ class GradBuckets:
         self._early = 0
         unique = {id(p): p for p, _ in params}
         self.handles = [p.register_hook(self._hook(p, *self.slot[id(p)])) for p in unique.values()]
+        for p in unique.values():  # a bucket of one parameter: its .grad is all-reduced in place
+            b, _ = self.slot[id(p)]
+            if len(self.buckets[b].params) == 1 and self.buckets[b].dtype == p.dtype:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._alone_hook(b)))
 
     def _wire_dtype(self, p: torch.Tensor) -> torch.dtype:
         return p.dtype if self.reduce_dtype is None or not p.is_floating_point() else self.reduce_dtype
@@ -120,11 +134,15 @@ class GradBuckets:
     def _hook(self, p: torch.nn.Parameter, b: int, i: int):
         bucket = self.buckets[b]
         as_view = bucket.dtype == p.dtype  # .grad can be the bucket's slot itself (no copy out)
+        alone = as_view and len(bucket.params) == 1
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if not self._armed:
                 self._armed = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            if alone and p.grad is None:  # no copy: AccumulateGrad makes it .grad, then _alone_hook sends it
+                bucket.pending = True
+                return grad
             if bucket.flat is None:
                 bucket.allocate()
             view = bucket.views[i]
@@ -143,6 +161,24 @@ class GradBuckets:
             return grad if before is None or as_view else torch.zeros_like(grad)
         return hook
 
+    def _alone_hook(self, b: int):
+        bucket = self.buckets[b]
+
+        def hook(p: torch.nn.Parameter) -> None:
+            if not bucket.pending:  # it went through the flat buffer (hook above)
+                return
+            bucket.pending = False
+            if p.grad.is_contiguous():
+                bucket.alone = p.grad
+            else:  # AccumulateGrad laid it out otherwise: through the flat buffer after all
+                if bucket.flat is None:
+                    bucket.allocate()
+                bucket.views[0].copy_(p.grad)
+            bucket.ready[0] = None
+            if b == self._next:
+                self._launch_ready()
+        return hook
+
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(
                 self.buckets[self._next].params):
@@ -152,7 +188,7 @@ class GradBuckets:
 
     @staticmethod
     def _launch(bucket: _Bucket) -> None:
-        bucket.work = dist.all_reduce(bucket.flat, group=bucket.axes[0].group, async_op=True)
+        bucket.work = dist.all_reduce(bucket.buffer, group=bucket.axes[0].group, async_op=True)
         bucket.launched = True
 
     @staticmethod
@@ -179,10 +215,12 @@ class GradBuckets:
                     bucket.work.wait()
                 for g in bucket.axes[1:]:  # further mesh axes of the same sum, after the first
                     if len(bucket.ready) == len(bucket.params):
-                        dist.all_reduce(bucket.flat, group=g.group)
+                        dist.all_reduce(bucket.buffer, group=g.group)
                         continue
                     for i in sorted(bucket.ready):
                         dist.all_reduce(bucket.views[i], group=g.group)
+                if bucket.alone is not None:  # the sum is in .grad already
+                    continue
                 for i, before in bucket.ready.items():
                     p, summed = bucket.params[i], bucket.views[i]
                     if summed.dtype == p.dtype:
@@ -199,7 +237,7 @@ class GradBuckets:
             self.launched_during_backward, self._early = self._early, 0
             self._next = 0
             for bucket in self.buckets:
-                bucket.ready, bucket.work, bucket.launched = {}, None, False
+                bucket.ready, bucket.work, bucket.launched, bucket.alone, bucket.pending = {}, None, False, None, False
 
     def remove(self) -> None:
         for h in self.handles:
