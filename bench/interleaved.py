@@ -5,7 +5,9 @@ one launch per method, back to back, and its ratios move with the load between l
     python bench/interleaved.py ddp autopar-dp fsdp2 autopar-zero3 --rounds 6
 
 Prints per-method median step time (ms), the ratio of each autopar method to the baseline
-before it on the command line, every round's times, and each method's peak live bytes per
+before it on the command line (of the medians, and per round with the median of those: a
+round's two steps ran seconds apart, so the per-round ratio is the one a load swing between
+rounds moves least), every round's times, and each method's peak live bytes per
 rank (``bench/memtrack.py``, the largest over ranks, from one extra untimed step). Same model,
 batch and setup as ``runtime_vs_baselines.FULL`` (``--quick``: ``QUICK``).
 """
@@ -64,8 +66,11 @@ def _rank(rank: int, world: int, port: int, methods: list[str], rounds: int, qui
             ratio = ""
             if m.startswith("autopar-") and k and not methods[k - 1].startswith("autopar-"):
                 base = methods[k - 1]
+                per_round = [b / a for a, b in zip(times[m], times[base])]  # one round's throughput ratio
                 ratio = (f"  throughput vs {base}: {med[base] / med[m]:.2f}x, "
-                         f"peak memory vs {base}: {peak[m] / peak[base]:.2f}x")
+                         f"peak memory vs {base}: {peak[m] / peak[base]:.2f}x\n{'':<20} per-round ratios "
+                         f"{[round(r, 2) for r in per_round]}, median {statistics.median(per_round):.2f}x, "
+                         f">= 1 in {sum(r >= 1 for r in per_round)} of {len(per_round)}")
             print(f"{m:<20} median {med[m]:7.0f} ms  peak {peak[m] / 2**20:6.1f} MiB/rank  "
                   f"rounds {[round(x * 1e3) for x in times[m]]}{ratio}")
         print(f"1-min load average at the end: {os.getloadavg()[0]:.1f}")

@@ -218,7 +218,10 @@ class ParallelModule(nn.Module):
             for target, node in self._params.items():
                 if is_parameter(self.program, target):
                     g = self.program.get_parameter(target).grad
-                    out[target] = None if g is None else self._gather_full(g, node)
+                    full = None if g is None else self._gather_full(g, node)
+                    # a replicated gradient is the bucket's slot (runtime/grad_buckets.py), which
+                    # the next backward overwrites: a copy, so the result stays as it was
+                    out[target] = full.clone() if full is not None and full.data_ptr() == g.data_ptr() else full
             return out
         finally:
             C.COUNTER.enabled = True

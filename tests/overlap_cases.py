@@ -31,6 +31,20 @@ def wide_mlp() -> tuple[nn.Module, tuple[torch.Tensor]]:
     return Loss(), (torch.randn(8, 256),)
 
 
+def _grad_layout(buckets) -> dict:
+    """After a backward from empty gradients: how many .grad tensors are their bucket's slot
+    (no copy out), and how many one-parameter buckets sent the .grad itself (no flat buffer)."""
+    slots = alone = 0
+    for b in buckets.buckets:
+        if len(b.params) == 1 and b.flat is None:
+            alone += b.params[0].grad is not None
+            continue
+        lo, hi = b.flat.data_ptr(), b.flat.data_ptr() + b.flat.numel() * b.flat.element_size()
+        slots += sum(p.grad is not None and lo <= p.grad.data_ptr() < hi for p in b.params)
+    return dict(slots=slots, alone=alone, single=sum(len(b.params) == 1 for b in buckets.buckets),
+                params=sum(len(b.params) for b in buckets.buckets))
+
+
 def accumulate(name: str) -> dict:
     """DP with the gradient sync out of the program: two backward passes, no zero_grad between
     (the second adds to synchronized gradients), then an optimizer step."""
@@ -55,8 +69,10 @@ def accumulate(name: str) -> dict:
         with count_bytes() as s:
             pm(*batch).backward()
         sent.append(dict(s))
+        if batch is inputs:
+            layout = _grad_layout(buckets)
     grads = pm.full_grads()
-    return dict(deferred=len(deferred), code_syncs=pm.program.code.count("grad_sync("), grads=grads,
+    return dict(deferred=len(deferred), code_syncs=pm.program.code.count("grad_sync("), grads=grads, layout=layout,
                 n_buckets=len(buckets.buckets), early=buckets.launched_during_backward, sent=sent,
                 predicted=dict(pm.plan.comm_bytes), n_params=len(list(pm.parameters())))
 

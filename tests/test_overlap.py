@@ -46,6 +46,10 @@ def test_deferred_sync_accumulates_like_one_process_and_overlaps(results, name, 
         assert sent == pytest.approx(r["predicted"])
     if r["n_buckets"] > 1:  # the first buckets go out while backward is still running
         assert r["early"] >= 1, r
+    # no copy out of the buckets: every .grad is its bucket's slot, or a one-parameter bucket's
+    # own .grad was sent in place (runtime/grad_buckets.py)
+    layout = r["layout"]
+    assert layout["alone"] == layout["single"] and layout["slots"] + layout["alone"] == layout["params"], layout
     report_line(f"overlap {name}: {r['deferred']} gradient syncs bucketed ({r['n_buckets']} buckets of <=64 KiB, "
                 f"{r['early']} launched during backward), {r['code_syncs']} left in the program")
 
