@@ -41,7 +41,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from autopar.strategy import REPLICATE_CODE
+
 from .blocks import block_of, split_recompute_entry
+from .buckets import alone_in_bucket
 from .grad_transients import backward_transient_bytes
 from .fsdp_memory import IN_FLIGHT, GatheredUnit, gathered_units
 from .offload import device_parts
@@ -131,6 +134,28 @@ def backward_transient_peaks(problem, choice: dict[str, int]) -> tuple[float, fl
     return ops, grads
 
 
+def _alone_in_buckets(problem, choice: dict[str, int], pos: dict) -> set[str]:
+    """The parameter decisions ``runtime.grad_buckets`` would give a bucket of their own (no
+    flat buffer: the GPT's head alone in the small first bucket), filling buckets in reverse
+    graph order as the runtime does in reverse parameter order; a repeated block's decision
+    stands for its copies, taken together at its node's place (alone only when it has one)."""
+    mesh, train = problem.mesh, problem.train
+    if train.mixed_precision:  # bf16 buckets: every gradient goes through a flat buffer (a copy)
+        return set()
+    params = []
+    for key, d in problem.decisions.items():
+        if not d.is_param:
+            continue
+        st, zero = d.options[choice[key]]
+        parts = device_parts(d.node.meta["val"].numel(), st.output, mesh, train, zero, str(d.node.target))
+        if parts.bucket:
+            axes = tuple(a for a in range(mesh.ndim) if mesh.sizes[a] > 1 and st.output.codes[a] == REPLICATE_CODE)
+            params += [(pos.get(d.node, 0), key if d.count == 1 else f"{key}#{c}", parts.bucket, axes)
+                       for c in range(d.count)]
+    params.sort(key=lambda p: -p[0])
+    return alone_in_bucket([(name, nbytes, axes) for _, name, nbytes, axes in params])
+
+
 def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -> StepMemory:
     """The step's peak device bytes under ``choice``; ``edge_bytes``: per edge index, the kept
     panel bytes ``evaluate`` counted (all copies)."""
@@ -156,14 +181,19 @@ def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -
         else:
             (pre if at < lo else head).append((at, act, grad))
 
+    alone = _alone_in_buckets(problem, choice, pos)
+    shared_grads = 0.0  # gradients that are their bucket's slot after backward (counted once at the step)
     for key, d in problem.decisions.items():
         i = choice[key]
         if d.is_param:
             st, zero = d.options[i]
             parts = device_parts(d.node.meta["val"].numel(), st.output, problem.mesh, problem.train, zero,
                                  str(d.node.target))
-            persistent += (parts.weights + parts.state + parts.bucket) * d.count
-            bucket += parts.bucket * d.count
+            slot = 0.0 if key in alone else parts.bucket
+            persistent += (parts.weights + parts.state + slot) * d.count
+            bucket += slot * d.count
+            if slot and not problem.train.mixed_precision:  # .grad becomes the slot (same dtype)
+                shared_grads += min(slot, parts.grads) * d.count
             # its gradient exists from the backward of its last reader in the forward on
             last = max((pos.get(u, 0) for u in d.node.users), default=0)
             add(d.node if block_of(d.node) is not None else graph_nodes[last] if last else d.node, last,
@@ -210,7 +240,7 @@ def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -
                            + max(inner + landing, r.grads + done), "block backward"))
         later_grads += r.count * r.grads
     points.append((persistent + later_grads + _walk(pre, z3.at_use(pre_t, after=False)), "embedding backward"))
-    points.append((persistent + grads, "optimizer step"))
+    points.append((persistent + grads - shared_grads, "optimizer step"))
     peak, phase = max(points, key=lambda p: p[0])
     return StepMemory(peak, phase, persistent, bucket, grads, pre_acts + kept_blocks + sum(a for _, a, _ in head))
 

@@ -276,3 +276,14 @@ def test_a_link_prices_each_collective_at_its_measured_rates_and_keeps_them_thro
     assert Link.from_json(link.to_json()) == link and Link.from_json(plain.to_json()) == plain
     hw = dataclasses.replace(get_hardware("cpu"), intra_node=link, inter_node=link)
     assert Hardware.from_json(json.loads(json.dumps(hw.to_json()))) == hw
+
+
+def test_the_parameters_a_bucket_of_their_own_holds_are_those_the_runtime_leaves_without_a_flat_buffer():
+    from autopar.cost_model.buckets import alone_in_bucket
+
+    mib = 2**20
+    # reverse parameter order, as backward makes the gradients: the head fills the small first bucket
+    order = [("head", 8 * mib, (0,)), ("a", 0.5 * mib, (0,)), ("b", 0.7 * mib, (0,)), ("c", 30 * mib, (0,)),
+             ("d", 0.1 * mib, (1,)), ("e", 0.2 * mib, (0,))]
+    assert alone_in_bucket(order) == {"head", "d", "e"}  # d: the only one synced over axis 1; e: after c closed
+    assert alone_in_bucket([("a", 0.5 * mib, (0,)), ("head", 8 * mib, (0,))]) == set()  # shares the first bucket
