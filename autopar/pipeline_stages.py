@@ -19,14 +19,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from autopar.cost_model.hardware import Hardware, get_hardware
 from autopar.cost_model.liveness import backward_transient_peaks
-from autopar.cost_model.pipeline import StageCost, pipeline_cost, step_sync_bytes, tied_sync_cost
+from autopar.cost_model.pipeline import (StageCost, pipeline_cost, step_sync_bytes, step_sync_seconds,
+                                         tied_sync_cost)
 from autopar.mesh import Link, MeshSpec
 from autopar.passes.split_stages import REQUIRES_GRAD_KEY, block_container, even_stage_blocks, split_stages
 from autopar.trace import graph_fingerprint, trace
@@ -107,18 +108,21 @@ def _renamed(plan: Plan, like: fx.GraphModule, gm: fx.GraphModule, model_name: s
 
 
 def plan_stages(micro_gm: fx.GraphModule, stage_blocks: tuple[int, ...], sub: MeshSpec, pp: int, pp_link: Link,
-                plan_fn: Callable[..., Plan], options: dict, model_name: str) -> StagePlans:
+                plan_fn: Callable[..., Plan], options: dict, model_name: str,
+                budgets: Sequence[float] | None = None) -> StagePlans:
     """Plan every chunk of ``micro_gm`` (one micro-batch) cut at ``stage_blocks`` on ``sub``.
-    ``options`` go to ``plan_fn`` (hardware, optimizer, budget, strategy, recompute, ...)."""
+    ``options`` go to ``plan_fn`` (hardware, optimizer, budget, strategy, recompute, ...);
+    ``budgets`` (one per chunk, in model order) replace the options' memory budget."""
     gms = split_stages(micro_gm, stage_blocks)
     plans, solved = [], {}
     for k, g in enumerate(gms):
-        key = _structure(g)
+        chunk_options = options if budgets is None else dict(options, memory_budget_bytes=budgets[k])
+        key = (_structure(g), chunk_options.get("memory_budget_bytes"))
         if key in solved:  # the same graph up to names (middle stages): the same ILP, so its answer
             plans.append(_renamed(*solved[key], g, f"{model_name}/stage{k}"))
             continue
         plans.append(plan_fn(g, sub.n_devices, mesh=sub if sub.ndim else None, baselines=False, pipeline=False,
-                             model_name=f"{model_name}/stage{k}", **options))
+                             model_name=f"{model_name}/stage{k}", **chunk_options))
         solved[key] = (plans[-1], gms[k])
     n = len(gms)
     chunks = []
@@ -126,7 +130,10 @@ def plan_stages(micro_gm: fx.GraphModule, stage_blocks: tuple[int, ...], sub: Me
         per_step = step_sync_bytes(p.problem, p.choice) if p.problem is not None else {}
         per_micro = {c: b - per_step.get(c, 0.0) for c, b in p.comm_bytes.items() if b - per_step.get(c, 0.0) > 0}
         send, grad = _boundary(g, k == 0, k == n - 1)
-        chunks.append(ChunkComm(per_micro, per_step, send, grad, p.comm_seconds))
+        syncs = step_sync_seconds(p.problem, p.choice) if p.problem is not None else 0.0
+        # the stage plan's step is its compute plus the communication compute does not hide
+        exposed = max(p.step_seconds - p.compute_seconds - syncs, 0.0)
+        chunks.append(ChunkComm(per_micro, per_step, send, grad, p.comm_seconds, syncs, exposed))
     tied = []
     for target, stages in sorted(gms.tied.items()):
         keys = set()
@@ -230,7 +237,9 @@ def hand_pipeline_plan(model, example_inputs, n_gpus: int, *, pp: int, n_microba
     params = sum(stages[s].param_state_bytes - stages[s].bucket_bytes for s in range(worst, n_stages, pp))
     sent = {k: info.predicted_bytes(k) for k in range(pp)}
     busiest = max(range(pp), key=lambda k: sum(sent[k].values()))
-    comm = max(n_microbatches * sum(stages[s].comm_seconds for s in range(k, n_stages, pp)) for k in range(pp))
+    k = max(range(pp), key=lambda k: sum(c.seconds_per_step(n_microbatches) for c in stages.chunks[k::pp]))
+    comm = sum(c.seconds_per_step(n_microbatches) for c in stages.chunks[k::pp])
+    exposed = sum(c.exposed_per_step(n_microbatches) for c in stages.chunks[k::pp])
     first = stages[0]
     stats = SolverStats("HiGHS per stage (pipeline pinned by hand)", "Optimal", 0.0, step, float("nan"),
                         sum(s.solver.n_variables for s in stages), sum(s.solver.n_constraints for s in stages),
@@ -238,7 +247,7 @@ def hand_pipeline_plan(model, example_inputs, n_gpus: int, *, pp: int, n_microba
     mesh = MeshSpec(("pp", *sub.axes), (pp, *sub.sizes), (link, *sub.links))
     return Plan(model=name, n_devices=n_gpus, mesh=mesh, hardware=hw.name, strategy="pp", optimizer=first.optimizer,
                 mixed_precision=first.mixed_precision, memory_budget_bytes=first.memory_budget_bytes, step_seconds=step,
-                compute_seconds=max(step - info.bubble_seconds - comm, 0.0), comm_seconds=comm,
+                compute_seconds=max(step - info.bubble_seconds - exposed, 0.0), comm_seconds=comm,
                 param_state_bytes=params, activation_bytes=info.stages[worst].peak_memory_bytes - params,
                 comm_bytes=sent[busiest], solver=stats, baselines=(), nodes=first.nodes,
                 graph_fingerprint=graph_fingerprint(gm), pipeline=info, recompute=(prefix,) if rc else (),
