@@ -28,6 +28,7 @@ from autopar.cost_model.hardware import Hardware, get_hardware
 from autopar.cost_model.liveness import backward_transient_peaks
 from autopar.cost_model.pipeline import (StageCost, pipeline_cost, step_sync_bytes, step_sync_seconds,
                                          tied_sync_cost)
+from autopar.cost_model.recompute import recompute_transient_bytes
 from autopar.mesh import Link, MeshSpec
 from autopar.passes.split_stages import REQUIRES_GRAD_KEY, block_container, even_stage_blocks, split_stages
 from autopar.trace import graph_fingerprint, trace
@@ -154,14 +155,20 @@ def plan_stages(micro_gm: fx.GraphModule, stage_blocks: tuple[int, ...], sub: Me
     return out
 
 
-def _grad_transient(p: Plan, m: int) -> float:
-    """Gradients in flight in the stage's busiest op backward (its plan is one micro-batch's),
-    or the fresh gradient of its largest parameter that micro-batches after the first add into
-    ``.grad`` (cost_model/liveness.backward_transient_peaks); 0 for a plan read from JSON."""
+def _transients(p: Plan, m: int) -> tuple[float, float]:
+    """(activation bytes of its recomputed blocks, bytes alive once per device at a peak) of a
+    stage plan (one micro-batch's). A recomputed block's activations, less its input, live only
+    during that block's backward: once per device, however many micro-batches are in flight
+    (``cost_model.recompute.recompute_transient_bytes``; a stage plan prices one micro-batch, so
+    its ``activation_bytes`` still hold one copy of them). Besides them, the gradients in flight
+    in the stage's busiest op backward, or the fresh gradient of its largest parameter that
+    micro-batches after the first add into ``.grad`` (cost_model/liveness.backward_transient_peaks).
+    (0, 0) for a plan read from JSON."""
     if p.problem is None or p.choice is None:
-        return 0.0
+        return 0.0, 0.0
     ops, grads = backward_transient_peaks(p.problem, p.choice)
-    return max(ops, grads if m > 1 else 0.0)
+    rc = recompute_transient_bytes(p.problem, p.choice)
+    return rc, rc + max(ops, grads if m > 1 else 0.0)
 
 
 def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule: str, stage_mesh: MeshSpec,
@@ -174,9 +181,10 @@ def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule:
     # read from JSON has no problem to split: all of its step per micro-batch)
     split = [microbatch_and_step_seconds(p) if p.problem is not None else (p.step_seconds, 0.0) for p in stages]
     # no gradient buckets in a pipeline: its syncs run once per step on .grad (runtime.pipeline)
-    costs = [StageCost(s[0], p.param_state_bytes - p.bucket_bytes, p.activation_bytes, c.send_bytes,
-                       c.send_grad_bytes, transient_bytes=_grad_transient(p, m))
-             for p, c, s in zip(stages, stages.chunks, split)]
+    held = [_transients(p, m) for p in stages]
+    costs = [StageCost(s[0], p.param_state_bytes - p.bucket_bytes, p.activation_bytes - h[0], c.send_bytes,
+                       c.send_grad_bytes, transient_bytes=h[1])
+             for p, c, s, h in zip(stages, stages.chunks, split, held)]
     pc = pipeline_cost(costs, schedule, m, pp_link, v, idle_speedup)
     after = max(sum(split[k + j * pp][1] for j in range(v)) for k in range(pp))
     tied_s = sum(t.seconds for t in stages.tied)
