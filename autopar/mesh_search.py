@@ -19,6 +19,7 @@ from .cost_model.evaluate import Prediction, evaluate
 from .cost_model.hardware import Hardware
 from .cost_model.ilp import InfeasibleBudgetError, SolveResult, solve
 from .cost_model.problem import PinError, Problem, build_problem
+from .cost_model.stage_weights import held_peak_bytes
 from .errors import AutoparError, format_bytes
 from .mesh import MeshSpec
 from .passes.annotate import annotate
@@ -162,7 +163,9 @@ def mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: boo
             progress(f"mesh {mesh}: no LP bound ({exc})")
             failed.append(str(mesh))
             continue
-        tight = evaluate(problem, lp.choice).peak_memory_bytes > 0.9 * budget if budget is not None else False
+        pred = evaluate(problem, lp.choice)  # a pipeline stage: with its micro-batches in flight
+        tight = budget is not None and held_peak_bytes(problem, lp.choice, pred.peak_memory_bytes,
+                                                       pred.activation_bytes) > 0.9 * budget
         out.append(Bound(index, lp.objective_s, lp.integral, problem, lp, tight))
         progress(f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars"
                             f"{', integral' if lp.integral else ''})")
@@ -293,7 +296,10 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
         raise
     except AutoparError as exc:  # nothing fits, or the solver failed on every mesh: the second pass may plan
         best, n_solved, note, error = None, 0, "", exc
-    if best is not None and best.prediction.peak_memory_bytes <= 0.9 * budget and not best.tight_elsewhere:
+    held = math.inf if best is None else held_peak_bytes(best.problem, best.result.choice,
+                                                         best.prediction.peak_memory_bytes,
+                                                         best.prediction.activation_bytes)
+    if best is not None and held <= 0.9 * budget and not best.tight_elsewhere:
         # Memory is not tight on any mesh. ZeRO-2 could still shorten the optimizer step a little;
         # its ILP is too slow to try every time (6 s for gpt2 on one mesh), and the zero2
         # baseline catches the cases where it is faster (plan() never returns a slower plan).
@@ -302,7 +308,7 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
     # faster layouts, so the first pass's bounds do not bound that mesh's plans (a 7.5B GPT on
     # 128 A100s: m0=16,m1=2,m2=4 fit loosely, while dp=32,tp=4 with recompute is faster).
     # Every mesh is bounded again with them: the second pass's bounds hold for both passes.
-    why = "the best plan" if best is None or best.prediction.peak_memory_bytes > 0.9 * budget else "some meshes"
+    why = "the best plan" if best is None or held > 0.9 * budget else "some meshes"
     progress(f"memory is tight for {why}: searching again with ZeRO-2 (split gradients and optimizer "
                         "state)" + (" and activation recompute" if train.recompute == "auto" else ""))
     try:

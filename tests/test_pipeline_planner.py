@@ -252,3 +252,22 @@ def test_pipeline_plans_carry_a_lower_bound_on_their_step():
     ms = float(searched.solver.mesh_search.split("stage layouts: lower bound ")[1].split(" ms")[0].replace(",", ""))
     assert searched.solver.lower_bound <= ms * 1e-3 <= searched.step_seconds, (searched.solver, searched.step_seconds)
     assert ms * 1e-3 > 0.9 * searched.step_seconds
+
+
+def test_a_stage_tight_with_its_micro_batches_in_flight_searches_zero2():
+    # The planner searches ZeRO-2 options where memory is tight (over 90% of the budget). A stage
+    # plan's walked peak is one micro-batch's; gpt2's first stage on dp=2,tp=2 holds 0.82 GiB for
+    # one micro-batch and 0.95 GiB with 1F1B's two in flight: under a 1 GiB budget it is tight.
+    from autopar.passes.split_stages import split_stages
+    from autopar.pipeline_info import microbatch_inputs
+    from autopar.planner import plan
+    from autopar.cost_model.stage_weights import STAGE_KEY, StageWeights
+    from autopar.trace import trace
+
+    hw = get_hardware("a100-80gb")
+    model, inputs = get_model("gpt2", device="meta")
+    first = split_stages(trace(model, microbatch_inputs(inputs, 4), stack_traces=False), (9, 3))[0]
+    first.meta[STAGE_KEY] = StageWeights(4, 2.0)
+    p = plan(first, 4, mesh=hw.mesh_spec(("dp", "tp"), (2, 2)), hardware=hw, baselines=False, pipeline=False,
+             memory_budget_bytes=2**30, recompute="none")
+    assert "ZeRO-2" in p.solver.mesh_search, p.solver.mesh_search
