@@ -69,13 +69,16 @@ def solve_mesh(problem: Problem, budget: float | None, time_limit_s: float,
     alike), so only solves that reached their optimum count: a solve stopped by its wall-clock
     limit answers by how loaded the machine was, and ends the re-solving (the mesh is then
     infeasible here, as far as this search knows)."""
+    def walked(pred: Prediction, choice: dict) -> float:  # a pipeline stage: with its micro-batches in flight
+        return held_peak_bytes(problem, choice, pred)
+
     result = first if first is not None else solve(problem, budget, time_limit_s=time_limit_s)
     pred = evaluate(problem, result.choice)
-    if budget is None or pred.peak_memory_bytes <= budget:
+    if budget is None or walked(pred, result.choice) <= budget:
         return Solved(problem.mesh, problem, result, pred)
-    first_bound, least = result.lower_bound_s, pred.peak_memory_bytes
+    first_bound, least = result.lower_bound_s, walked(pred, result.choice)
     over_row, dead_row, row = budget, -math.inf, budget  # rows known to give a plan over the budget, none at all
-    walk: float | None = pred.peak_memory_bytes
+    walk: float | None = least
     for _ in range(_RESOLVES):
         if walk is None:
             dead_row = row
@@ -97,8 +100,8 @@ def solve_mesh(problem: Problem, budget: float | None, time_limit_s: float,
         if result.status != "Optimal":
             break  # stopped by the clock: not a function of the inputs
         pred = evaluate(problem, result.choice)
-        least = min(least, pred.peak_memory_bytes)
-        walk = pred.peak_memory_bytes
+        walk = walked(pred, result.choice)
+        least = min(least, walk)
         if walk <= budget:
             # a tighter row's dual bound does not bound the budget's plans: the first solve's does
             bound = min(result.lower_bound_s, first_bound) if first_bound == first_bound else math.nan
@@ -164,8 +167,7 @@ def mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: boo
             failed.append(str(mesh))
             continue
         pred = evaluate(problem, lp.choice)  # a pipeline stage: with its micro-batches in flight
-        tight = budget is not None and held_peak_bytes(problem, lp.choice, pred.peak_memory_bytes,
-                                                       pred.activation_bytes) > 0.9 * budget
+        tight = budget is not None and held_peak_bytes(problem, lp.choice, pred) > 0.9 * budget
         out.append(Bound(index, lp.objective_s, lp.integral, problem, lp, tight))
         progress(f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars"
                             f"{', integral' if lp.integral else ''})")
@@ -296,9 +298,7 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
         raise
     except AutoparError as exc:  # nothing fits, or the solver failed on every mesh: the second pass may plan
         best, n_solved, note, error = None, 0, "", exc
-    held = math.inf if best is None else held_peak_bytes(best.problem, best.result.choice,
-                                                         best.prediction.peak_memory_bytes,
-                                                         best.prediction.activation_bytes)
+    held = math.inf if best is None else held_peak_bytes(best.problem, best.result.choice, best.prediction)
     if best is not None and held <= 0.9 * budget and not best.tight_elsewhere:
         # Memory is not tight on any mesh. ZeRO-2 could still shorten the optimizer step a little;
         # its ILP is too slow to try every time (6 s for gpt2 on one mesh), and the zero2

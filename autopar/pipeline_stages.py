@@ -190,10 +190,10 @@ def _transients(p: Plan, m: int) -> tuple[float, float]:
 
 def row_bytes(p: Plan, in_flight: float) -> float:
     """What a stage plan holds with ``in_flight`` micro-batches in flight, as its ILP's memory
-    row counts it (``cost_model.stage_weights``): its parameter state once, its activations per
-    micro-batch in flight, less its recomputed blocks' activations, held once."""
+    row counts it (``cost_model.stage_weights``): its parameter state once (no gradient bucket),
+    its activations per micro-batch in flight, less its recomputed blocks' activations, held once."""
     rc = _transients(p, 1)[0]
-    return p.param_state_bytes + in_flight * (p.activation_bytes - rc) + rc
+    return p.param_state_bytes - p.bucket_bytes + in_flight * (p.activation_bytes - rc) + rc
 
 
 def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule: str, stage_mesh: MeshSpec,

@@ -51,7 +51,7 @@ from .costs import TrainingSpec, activation_bytes, compute_seconds
 from .hardware import Hardware
 from .offload import add_host_memory, param_option_cost
 from .recompute import add_recompute
-from .stage_weights import STAGE_KEY
+from .stage_key import STAGE_KEY
 from .reshard import CommStep, reshard_seconds, reshard_steps, steps_seconds, transitions
 
 __all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins", "partial_grad_axes", "zero2_steps",

@@ -15,10 +15,11 @@ per step (``runtime.pipeline``):
   ``t + s / m`` (m times that is what the stage adds to the step at the slowest stage);
 * memory: the schedule holds the activations of ``in_flight`` micro-batches at once
   (``cost_model.pipeline.activations_in_flight``: 1F1B ``p - k`` at stage k, GPipe ``m``); the
-  parameter state once. The memory row is ``params + in_flight * activations``. A recomputed
-  block keeps its input per micro-batch in flight and its other activations once, during its
-  backward: recomputing saves ``in_flight`` times what it saves for one, plus ``in_flight - 1``
-  copies of what it still holds once.
+  parameter state once, without the gradient bucket a plan without stages keeps (a stage's
+  syncs run once per step on ``.grad``). The memory row is ``params + in_flight * activations``.
+  A recomputed block keeps its input per micro-batch in flight and its other activations once,
+  during its backward: recomputing saves ``in_flight`` times what it saves for one, plus
+  ``in_flight - 1`` copies of what it still holds once.
 
 The split stage graph carries its weights (``GraphModule.meta[STAGE_KEY]``, set by
 ``autopar.pipeline_stages``); ``build_problem`` keeps them on the Problem (``Problem.stage``)
@@ -30,27 +31,14 @@ planner asks whether memory is tight (and ZeRO-2 worth searching) by ``held_peak
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from .decisions import Problem
+from .stage_key import STAGE_KEY, StageWeights
+from .liveness import backward_transient_peaks
+from .offload import device_parts
 from .recompute import recompute_transient_bytes
 
 __all__ = ["STAGE_KEY", "StageWeights", "ilp_problem", "held_peak_bytes"]
-
-STAGE_KEY = "autopar_pipeline_stage"  # GraphModule.meta key of a stage graph's StageWeights
-
-
-@dataclass(frozen=True)
-class StageWeights:
-    """A pipeline stage's ILP weights (module doc)."""
-
-    n_microbatches: int  # per step: the per-step terms weigh 1 / n_microbatches
-    in_flight: float  # micro-batches whose activations the stage holds at its peak
-
-    def __post_init__(self) -> None:
-        if self.n_microbatches < 1 or self.in_flight < 1:
-            raise ValueError(f"a pipeline stage runs >= 1 micro-batch and holds >= 1 in flight, got {self}")
-
 
 def ilp_problem(problem: Problem) -> Problem:
     """``problem`` as its ILP should weigh it: itself, or for a pipeline stage (``problem.stage``)
@@ -64,7 +52,11 @@ def ilp_problem(problem: Problem) -> Problem:
     for key, d in problem.decisions.items():
         if d.is_param:  # the optimizer step once per step; ZeRO-2's collectives (comm_seconds) at every use
             seconds = [(s - c) * once + c for s, c in zip(d.seconds, d.comm_seconds)]
-            decisions[key] = dataclasses.replace(d, seconds=seconds)
+            # no gradient bucket in a stage: its syncs run once per step on .grad (runtime.pipeline)
+            numel, target = d.node.meta["val"].numel(), str(d.node.target)
+            memory = [b - device_parts(numel, st.output, problem.mesh, problem.train, zero, target).bucket * d.count
+                      for b, (st, zero) in zip(d.memory_bytes, d.options)]
+            decisions[key] = dataclasses.replace(d, seconds=seconds, memory_bytes=memory)
         else:
             decisions[key] = dataclasses.replace(d, memory_bytes=[b * held for b in d.memory_bytes])
     edges = [dataclasses.replace(e, memory={ab: b * held for ab, b in e.memory.items()}) if e.memory else e
@@ -88,13 +80,18 @@ def ilp_problem(problem: Problem) -> Problem:
     return dataclasses.replace(problem, decisions=decisions, edges=edges, syncs=syncs, recompute=recompute)
 
 
-def held_peak_bytes(problem: Problem, choice: dict, peak_bytes: float, activation_bytes: float) -> float:
-    """A plan's walked peak (``peak_bytes``, one micro-batch; ``activation_bytes`` its activations)
-    with, for a pipeline stage, the activations of the other micro-batches in flight (less its
-    recomputed blocks', held once): what tells the planner memory is tight, and ZeRO-2 options
-    worth a second pass (``autopar.mesh_search``). GPT-3 175B on 1024, pp=8 x (dp=16,tp=8): the
-    stages' one-micro-batch peaks sat under 90% of the budget, their peaks with 8 in flight did not."""
+def held_peak_bytes(problem: Problem, choice: dict, pred) -> float:
+    """The peak of a plan (``pred``, its ``evaluate`` Prediction) that tells the planner memory is
+    tight, and ZeRO-2 options worth a second pass (``autopar.mesh_search``): its walked peak, or
+    for a pipeline stage what the schedule holds as ``autopar.pipeline_stages`` composes it (its
+    parameter state without the gradient bucket, its activations per micro-batch in flight less
+    its recomputed blocks', held once, and the gradients in flight at its busiest backward).
+    GPT-3 175B on 1024, pp=8 x (dp=16,tp=8): the stages' one-micro-batch peaks sat under 90% of
+    the budget, their peaks with 8 in flight did not."""
     w = getattr(problem, "stage", None)
-    if w is None or w.in_flight == 1:
-        return peak_bytes
-    return peak_bytes + (w.in_flight - 1) * (activation_bytes - recompute_transient_bytes(problem, choice))
+    if w is None:
+        return pred.peak_memory_bytes
+    rc = recompute_transient_bytes(problem, choice)
+    ops, grads = backward_transient_peaks(problem, choice)
+    return (pred.param_state_bytes - pred.bucket_bytes + w.in_flight * (pred.activation_bytes - rc) + rc
+            + max(ops, grads if w.n_microbatches > 1 else 0.0))
