@@ -19,6 +19,7 @@ from .cost_model.evaluate import Prediction, evaluate
 from .cost_model.hardware import Hardware
 from .cost_model.ilp import InfeasibleBudgetError, SolveResult, solve
 from .cost_model.problem import PinError, Problem, build_problem
+from .cost_model.stage_weights import held_peak_bytes
 from .errors import AutoparError, format_bytes
 from .mesh import MeshSpec
 from .passes.annotate import annotate
@@ -72,13 +73,16 @@ def solve_mesh(problem: Problem, budget: float | None, time_limit_s: float,
     alike), so only solves that reached their optimum count: a solve stopped by its wall-clock
     limit answers by how loaded the machine was, and ends the re-solving (the mesh is then
     infeasible here, as far as this search knows)."""
+    def walked(pred: Prediction, choice: dict) -> float:  # a pipeline stage: with its micro-batches in flight
+        return held_peak_bytes(problem, choice, pred)
+
     result = first if first is not None else solve(problem, budget, time_limit_s=time_limit_s)
     pred = evaluate(problem, result.choice)
-    if budget is None or pred.peak_memory_bytes <= budget:
+    if budget is None or walked(pred, result.choice) <= budget:
         return Solved(problem.mesh, problem, result, pred)
-    first_bound, least = result.lower_bound_s, pred.peak_memory_bytes
+    first_bound, least = result.lower_bound_s, walked(pred, result.choice)
     over_row, dead_row, row = budget, -math.inf, budget  # rows known to give a plan over the budget, none at all
-    walk: float | None = pred.peak_memory_bytes
+    walk: float | None = least
     for _ in range(_RESOLVES):
         if walk is None:
             dead_row = row
@@ -100,8 +104,8 @@ def solve_mesh(problem: Problem, budget: float | None, time_limit_s: float,
         if result.status != "Optimal":
             break  # stopped by the clock: not a function of the inputs
         pred = evaluate(problem, result.choice)
-        least = min(least, pred.peak_memory_bytes)
-        walk = pred.peak_memory_bytes
+        walk = walked(pred, result.choice)
+        least = min(least, walk)
         if walk <= budget:
             # a tighter row's dual bound does not bound the budget's plans: the first solve's does
             bound = min(result.lower_bound_s, first_bound) if first_bound == first_bound else math.nan
@@ -168,7 +172,8 @@ def mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: boo
             progress(f"mesh {mesh}: no LP bound ({exc})")
             failed.append(str(mesh))
             continue
-        tight = evaluate(problem, lp.choice).peak_memory_bytes > 0.9 * budget if budget is not None else False
+        pred = evaluate(problem, lp.choice)  # a pipeline stage: with its micro-batches in flight
+        tight = budget is not None and held_peak_bytes(problem, lp.choice, pred) > 0.9 * budget
         wider = math.nan if zero2 else options_bound(problem, lp, hw)
         out.append(Bound(index, lp.objective_s, lp.integral, problem, lp, tight, wider))
         progress(f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars"
@@ -302,7 +307,8 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
         raise
     except AutoparError as exc:  # nothing fits, or the solver failed on every mesh: the second pass may plan
         best, n_solved, note, error = None, 0, "", exc
-    if (best is not None and best.prediction.peak_memory_bytes <= 0.9 * budget and not best.tight_elsewhere
+    held = math.inf if best is None else held_peak_bytes(best.problem, best.result.choice, best.prediction)
+    if (best is not None and held <= 0.9 * budget and not best.tight_elsewhere
             and best.options_bound == best.options_bound):
         # Memory is not tight on any mesh. ZeRO-2 could still shorten the optimizer step a little;
         # its ILP is too slow to try every time (6 s for gpt2 on one mesh), and the zero2
@@ -315,7 +321,7 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
     # faster layouts, so the first pass's bounds do not bound that mesh's plans (a 7.5B GPT on
     # 128 A100s: m0=16,m1=2,m2=4 fit loosely, while dp=32,tp=4 with recompute is faster).
     # Every mesh is bounded again with them: the second pass's bounds hold for both passes.
-    why = "the best plan" if best is None or best.prediction.peak_memory_bytes > 0.9 * budget else "some meshes"
+    why = "the best plan" if best is None or held > 0.9 * budget else "some meshes"
     progress(f"memory is tight for {why}: searching again with ZeRO-2 (split gradients and optimizer "
                         "state)" + (" and activation recompute" if train.recompute == "auto" else ""))
     try:

@@ -58,17 +58,31 @@ class ChunkComm:
     send_bytes: float = 0.0  # activations handed to the next stage, one micro-batch
     send_grad_bytes: float = 0.0  # gradients of its inputs sent back, one micro-batch
     comm_seconds: float = 0.0  # its collectives for one micro-batch (the stage plan's)
+    step_comm_seconds: float = 0.0  # of comm_seconds: the gradient syncs, which run once per step
+    exposed_seconds: float = 0.0  # of the rest: not hidden behind compute, one micro-batch
+
+    def seconds_per_step(self, n_microbatches: int) -> float:
+        """Its collectives over a step of ``n_microbatches``: the gradient syncs once, the rest
+        once per micro-batch (the stage plan prices one micro-batch with its syncs)."""
+        return n_microbatches * (self.comm_seconds - self.step_comm_seconds) + self.step_comm_seconds
+
+    def exposed_per_step(self, n_microbatches: int) -> float:
+        """Of ``seconds_per_step``: what is not hidden behind compute (the syncs, which run after
+        the schedule, all of it)."""
+        return n_microbatches * self.exposed_seconds + self.step_comm_seconds
 
     def to_dict(self) -> dict[str, Any]:
         return {"per_microbatch": dict(self.per_microbatch), "per_step": dict(self.per_step),
                 "send_bytes": self.send_bytes, "send_grad_bytes": self.send_grad_bytes,
-                "comm_seconds": self.comm_seconds}
+                "comm_seconds": self.comm_seconds, "step_comm_seconds": self.step_comm_seconds,
+                "exposed_seconds": self.exposed_seconds}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ChunkComm":
         return cls({k: float(v) for k, v in d["per_microbatch"].items()},
                    {k: float(v) for k, v in d["per_step"].items()}, float(d["send_bytes"]),
-                   float(d["send_grad_bytes"]), float(d.get("comm_seconds", 0.0)))
+                   float(d["send_grad_bytes"]), float(d.get("comm_seconds", 0.0)),
+                   float(d.get("step_comm_seconds", 0.0)), float(d.get("exposed_seconds", 0.0)))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from autopar.cost_model.comm import p2p_s
 from autopar.cost_model.costs import TrainingSpec
+from autopar.cost_model.pipeline import activations_in_flight
 from autopar.cost_model.hardware import Hardware
 from autopar.mesh import MeshSpec
 from autopar.passes.split_stages import block_count
@@ -23,7 +24,7 @@ from autopar.trace import graph_fingerprint
 
 from .errors import AutoparError
 from .pipeline_search import PipelineChoice, global_batch, search_pipeline
-from .pipeline_stages import plan_stages
+from .pipeline_stages import info_from_stage_plans, plan_stages, row_bytes, stage_lower_bound
 from .plan import Plan, SolverStats
 
 __all__ = ["pipeline_plan", "pinned_pipeline_plan", "pipeline_if_faster"]
@@ -44,34 +45,91 @@ def pipeline_plan(choice: PipelineChoice, gm: fx.GraphModule, n_gpus: int, hw: H
     p, m = info.n_stages, info.n_microbatches
     mesh = MeshSpec(("pp", *sub.mesh.axes), (p, *sub.mesh.sizes), (choice.pp_link, *sub.mesh.links))
     stage_plans: tuple = ()
-    comm_s, comm_bytes = 0.0, {}
+    comm_s, exposed_s, comm_bytes = 0.0, 0.0, {}
+    step, params, acts = choice.step_seconds, choice.param_bytes, choice.activation_bytes
     if micro_graph is not None:
-        options = dict(hardware=hw, optimizer=train.optimizer, mixed_precision=train.mixed_precision,
-                       memory_budget_bytes=budget, recompute="full" if info.recompute else "none")
-        stage_plans = plan_stages(micro_graph(m), info.stage_blocks, sub.mesh, p, choice.pp_link, plan_fn, options,
-                                  model_name)
-        info = dataclasses.replace(info, tied=stage_plans.tied, chunks=stage_plans.chunks)
+        stage_plans, info, step, layouts_bound = _fitting_stage_plans(micro_graph(m), info, sub.mesh, choice.pp_link,
+                                                                      hw, train, budget, plan_fn, model_name, n_gpus)
+        # the Plan's bound covers every pipeline the search priced (whole-batch pieces, loose where
+        # micro-batches run less efficiently); this one's stage layouts are bounded far closer
+        note = (note + "; " if note else "") + (f"this pipeline's stage layouts: lower bound "
+                                                f"{layouts_bound * 1e3:,.2f} ms (gap {_gap(layouts_bound, step)})")
+        worst = max(range(p), key=lambda k: info.stages[k].peak_memory_bytes)
+        params = sum(stage_plans[s].param_state_bytes - stage_plans[s].bucket_bytes
+                     for s in range(worst, p * info.virtual_stages, p))
+        acts = info.stages[worst].peak_memory_bytes - params
         for k in range(p):
             chunks = stage_plans.chunks[k::p]
-            s = sum(m * (c.comm_seconds + p2p_s(c.send_bytes, choice.pp_link) + p2p_s(c.send_grad_bytes,
-                                                                                      choice.pp_link))
-                    for c in chunks) + sum(t.seconds for t in info.tied if k in t.positions)
+            # the sends and the tied weights' syncs run on the schedule's path: never hidden
+            path = sum(m * (p2p_s(c.send_bytes, choice.pp_link) + p2p_s(c.send_grad_bytes, choice.pp_link))
+                       for c in chunks) + sum(t.seconds for t in info.tied if k in t.positions)
+            s = sum(c.seconds_per_step(m) for c in chunks) + path
             sent = info.predicted_bytes(k)
             if sum(sent.values()) >= sum(comm_bytes.values()):
-                comm_s, comm_bytes = max(comm_s, s), sent
+                comm_s, comm_bytes = s, sent
+                exposed_s = sum(c.exposed_per_step(m) for c in chunks) + path
     else:
         note = (note + "; " if note else "") + "no stage plans (plan() was given a traced graph: plan the model)"
-    stats = SolverStats("pipeline search + HiGHS per stage", "Optimal", seconds, choice.step_seconds, choice.lower_bound_s,
+    stats = SolverStats("pipeline search + HiGHS per stage", "Optimal", seconds, step, choice.lower_bound_s,
                         sum(s.solver.n_variables for s in stage_plans), sum(s.solver.n_constraints for s in stage_plans),
                         sum(s.solver.ilps_solved for s in stage_plans), seconds, note)
-    busy = choice.step_seconds - info.bubble_seconds
+    busy = step - info.bubble_seconds
     return Plan(model=model_name, n_devices=n_gpus, mesh=mesh, hardware=hw.name, strategy=strategy,
                 optimizer=train.optimizer, mixed_precision=train.mixed_precision, memory_budget_bytes=budget,
-                step_seconds=choice.step_seconds, compute_seconds=max(busy - comm_s, 0.0), comm_seconds=comm_s,
-                param_state_bytes=choice.param_bytes, activation_bytes=choice.activation_bytes,
+                step_seconds=step, compute_seconds=max(busy - exposed_s, 0.0), comm_seconds=comm_s,
+                param_state_bytes=params, activation_bytes=acts,
                 comm_bytes=comm_bytes, solver=stats, baselines=tuple(baselines), nodes=sub.nodes,
                 graph_fingerprint=graph_fingerprint(gm), pipeline=info,
                 recompute=(info.block_prefix,) if info.recompute else (), stage_plans=tuple(stage_plans))
+
+
+def _fitting_stage_plans(micro: fx.GraphModule, info, sub: MeshSpec, link, hw: Hardware, train: TrainingSpec,
+                         budget: float, plan_fn: Callable[..., Plan], model_name: str, n_gpus: int):
+    """The stage plans of ``micro`` (one micro-batch), their PipelineInfo, step time and a lower
+    bound on the step of any stage layouts of this pipeline (``stage_lower_bound``).
+
+    The search priced whole-batch pieces scaled to one micro-batch; what runs are these stage
+    plans, each solved for one micro-batch, so the plan predicts what they compose to, as a
+    pipeline pinned by hand does. Each stage ILP weighs the step of m micro-batches and counts
+    the activations its pp position holds in flight (``cost_model.stage_weights``); its row
+    does not hold what the walk adds (gradients in flight in one op's backward, the fresh
+    gradient of micro-batches after the first) nor, interleaved, the device's other chunks:
+    where the composed peak still exceeds the budget, the stages are solved again with their
+    rows lowered by the excess. Raises AutoparError when no stage plans fit."""
+    p, m, v = info.n_stages, info.n_microbatches, info.virtual_stages
+    n_chunks = len(info.stage_blocks)
+    options = dict(hardware=hw, optimizer=train.optimizer, mixed_precision=train.mixed_precision,
+                   memory_budget_bytes=budget, recompute="full" if info.recompute else "none")
+    budgets = [budget] * n_chunks
+    bound = None
+    for _ in range(_REFITS):
+        stage_plans = plan_stages(micro, info.stage_blocks, sub, p, link, plan_fn, options, model_name, budgets,
+                                  n_microbatches=m, schedule=info.schedule)
+        if bound is None:  # the budget's own rows: those of the refits bound their rows only
+            bound = stage_lower_bound(stage_plans, p, m, v, link, hw.idle_speedup(n_gpus))
+        got, step = info_from_stage_plans(stage_plans, p, m, v, info.schedule, sub,
+                                          info.block_prefix, info.stage_blocks, link, info.recompute,
+                                          hw.idle_speedup(n_gpus))
+        peak = max(s.peak_memory_bytes for s in got.stages)
+        if peak <= budget:
+            return stage_plans, got, step, bound
+        for k, stage in enumerate(got.stages):
+            over = stage.peak_memory_bytes - budget
+            if over <= 0:
+                continue
+            mine = range(k, n_chunks, p)
+            flight = activations_in_flight(info.schedule, p, m, k, v)
+            for s in mine:  # the row it was solved under, or what it holds there if less
+                budgets[s] = min(budgets[s], row_bytes(stage_plans[s], flight)) - 1.02 * over / len(mine)
+    raise AutoparError(f"the stage plans of {p} stages x {m} micro-batches on {sub} need {peak / 2**30:.1f} GiB per "
+                       f"device with the schedule's activations in flight, over the {budget / 2**30:.1f} GiB budget")
+
+
+def _gap(bound: float, step: float) -> str:
+    return f"{max(0.0, (step - bound) / step) * 100:.1f}%" if step > 0 and bound == bound else "n/a"
+
+
+_REFITS = 4  # stage plans solved again with a tighter budget (_fitting_stage_plans)
 
 
 def pinned_pipeline_plan(gm: fx.GraphModule, n_gpus: int, mesh: str | MeshSpec | None, hw: Hardware,
@@ -123,9 +181,21 @@ def pipeline_if_faster(gm: fx.GraphModule, best: Plan | None, n_gpus: int, hw: H
     note = ("pipeline stages win: " + (f"{choice.step_seconds * 1e3:,.1f} ms vs {best.step_seconds * 1e3:,.1f} ms "
                                        f"without" if best is not None else "nothing fits without them"))
     try:
-        return pipeline_plan(choice, gm, n_gpus, hw, train, budget, "auto", model_name, plan_fn, micro_graph,
-                             baselines, seconds=time.perf_counter() - t0, note=note)
+        built = pipeline_plan(choice, gm, n_gpus, hw, train, budget, "auto", model_name, plan_fn, micro_graph,
+                              baselines, seconds=time.perf_counter() - t0, note=note)
     except AutoparError as exc:  # the stages cannot be built: skip the candidate
         if progress:
             progress(f"pipeline skipped: {exc}")
         return best
+    if best is not None and built.step_seconds >= best.step_seconds:
+        # its stage plans, priced as they run, are no faster than the plan without stages
+        if progress:
+            progress(f"pipeline skipped: its stage plans take {built.step_seconds * 1e3:,.1f} ms per step "
+                     f"(the search's estimate was {choice.step_seconds * 1e3:,.1f} ms), "
+                     f"{best.step_seconds * 1e3:,.1f} ms without stages")
+        return best
+    if best is not None:
+        won = f"pipeline stages win: {built.step_seconds * 1e3:,.1f} ms vs {best.step_seconds * 1e3:,.1f} ms without"
+        built = dataclasses.replace(built, solver=dataclasses.replace(
+            built.solver, mesh_search=built.solver.mesh_search.replace(note, won, 1)))
+    return built

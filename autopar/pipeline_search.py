@@ -33,10 +33,10 @@ weight tied across stages is priced here as one all-reduce of its whole gradient
 first and last stage per step.
 
 The runtime (``runtime.pipeline``) matches this for parameters with a single use that are
-stored whole on the synced axis (nearly all weights under DP and Megatron layouts); a parameter
-used twice (tied weights inside a stage), a ZeRO-3 shard and a ZeRO-2 piece are synchronized per
-micro-batch there but priced once here (the stage pieces are priced without a memory limit, so
-their layouts rarely shard parameters).
+stored whole on the synced axis (nearly all weights under DP and Megatron layouts); ZeRO-3 and
+ZeRO-2 pieces are gathered and reduce-scattered per micro-batch, there and here; a parameter used
+twice (tied weights inside a stage) is synchronized per micro-batch there but priced once here
+(``cost_model.stage_weights`` weighs the stage plans' ILPs alike).
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ def _split_costs(problem, choice: dict, regathers: bool = True) -> _Part:
     batch = use = step = params = acts = 0.0
     for key, d in problem.decisions.items():
         i = choice[key]
-        if d.is_param:
-            step += d.seconds[i]
+        if d.is_param:  # the optimizer once per step; ZeRO-2's collectives (comm_seconds) at every use
+            step, use = step + d.seconds[i] - d.comm_seconds[i], use + d.comm_seconds[i]
             params += d.memory_bytes[i] - _bucket_bytes(problem, d, i)
         else:
             batch += d.seconds[i]

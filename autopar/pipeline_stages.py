@@ -19,14 +19,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 
+from autopar.cost_model.comm import p2p_s
 from autopar.cost_model.hardware import Hardware, get_hardware
 from autopar.cost_model.liveness import backward_transient_peaks
-from autopar.cost_model.pipeline import StageCost, pipeline_cost, step_sync_bytes, tied_sync_cost
+from autopar.cost_model.pipeline import (StageCost, activations_in_flight, pipeline_cost, step_sync_bytes,
+                                         step_sync_seconds, tied_sync_cost)
+from autopar.cost_model.recompute import recompute_transient_bytes
+from autopar.cost_model.stage_weights import STAGE_KEY, StageWeights
 from autopar.mesh import Link, MeshSpec
 from autopar.passes.split_stages import REQUIRES_GRAD_KEY, block_container, even_stage_blocks, split_stages
 from autopar.trace import graph_fingerprint, trace
@@ -36,7 +40,7 @@ from .pipeline_search import microbatch_and_step_seconds
 from .pipeline_info import ChunkComm, PipelineInfo, PipelineStageInfo, TiedSync, microbatch_inputs
 from .plan import Plan, SolverStats
 
-__all__ = ["StagePlans", "plan_stages", "info_from_stage_plans", "hand_pipeline_plan"]
+__all__ = ["StagePlans", "plan_stages", "row_bytes", "info_from_stage_plans", "stage_lower_bound", "hand_pipeline_plan"]
 
 _TOKEN = re.compile(r"S\(\d+\)|R|P(?:\([a-z]+\))?")
 
@@ -107,26 +111,47 @@ def _renamed(plan: Plan, like: fx.GraphModule, gm: fx.GraphModule, model_name: s
 
 
 def plan_stages(micro_gm: fx.GraphModule, stage_blocks: tuple[int, ...], sub: MeshSpec, pp: int, pp_link: Link,
-                plan_fn: Callable[..., Plan], options: dict, model_name: str) -> StagePlans:
+                plan_fn: Callable[..., Plan], options: dict, model_name: str,
+                budgets: Sequence[float] | None = None, *, n_microbatches: int, schedule: str) -> StagePlans:
     """Plan every chunk of ``micro_gm`` (one micro-batch) cut at ``stage_blocks`` on ``sub``.
-    ``options`` go to ``plan_fn`` (hardware, optimizer, budget, strategy, recompute, ...)."""
+    ``options`` go to ``plan_fn`` (hardware, optimizer, budget, strategy, recompute, ...);
+    ``budgets`` (one per chunk, in model order) replace the options' memory budget. Each chunk's
+    ILP weighs a step of ``n_microbatches`` under ``schedule`` (``cost_model.stage_weights``:
+    per-step terms over m, activations times the micro-batches its pp position holds in flight)."""
     gms = split_stages(micro_gm, stage_blocks)
-    plans, solved = [], {}
-    for k, g in enumerate(gms):
-        key = _structure(g)
-        if key in solved:  # the same graph up to names (middle stages): the same ILP, so its answer
-            plans.append(_renamed(*solved[key], g, f"{model_name}/stage{k}"))
-            continue
-        plans.append(plan_fn(g, sub.n_devices, mesh=sub if sub.ndim else None, baselines=False, pipeline=False,
-                             model_name=f"{model_name}/stage{k}", **options))
-        solved[key] = (plans[-1], gms[k])
     n = len(gms)
+    weights = [StageWeights(n_microbatches, activations_in_flight(schedule, pp, n_microbatches, k % pp, n // pp))
+               for k in range(n)]
+    plans: list = [None] * n
+    solved: dict = {}  # the same graph up to names (middle stages) and budget -> [(in flight, plan, graph)]
+    # fewest in flight first: a plan solved with fewer in flight that fits the row of more is
+    # that ILP's optimum too (its rows are looser), so middle stages of 1F1B share one solve
+    # where memory does not bind
+    for k in sorted(range(n), key=lambda k: weights[k].in_flight):
+        g = gms[k]
+        chunk_options = options if budgets is None else dict(options, memory_budget_bytes=budgets[k])
+        budget = chunk_options.get("memory_budget_bytes")
+        key = (_structure(g), budget)
+        flight = weights[k].in_flight
+        same = next(((plan, like) for f, plan, like in solved.get(key, ())
+                     if f == flight or (f < flight and budget is not None and row_bytes(plan, flight) <= budget)),
+                    None)
+        if same is not None:
+            plans[k] = _renamed(*same, g, f"{model_name}/stage{k}")
+            continue
+        g.meta[STAGE_KEY] = weights[k]
+        plans[k] = plan_fn(g, sub.n_devices, mesh=sub if sub.ndim else None, baselines=False, pipeline=False,
+                           model_name=f"{model_name}/stage{k}", **chunk_options)
+        solved.setdefault(key, []).append((flight, plans[k], g))
     chunks = []
     for k, (g, p) in enumerate(zip(gms, plans)):
         per_step = step_sync_bytes(p.problem, p.choice) if p.problem is not None else {}
         per_micro = {c: b - per_step.get(c, 0.0) for c, b in p.comm_bytes.items() if b - per_step.get(c, 0.0) > 0}
         send, grad = _boundary(g, k == 0, k == n - 1)
-        chunks.append(ChunkComm(per_micro, per_step, send, grad, p.comm_seconds))
+        syncs = step_sync_seconds(p.problem, p.choice) if p.problem is not None else 0.0
+        # the stage plan's step is its compute plus the communication compute does not hide
+        exposed = max(p.step_seconds - p.compute_seconds - syncs, 0.0)
+        chunks.append(ChunkComm(per_micro, per_step, send, grad, p.comm_seconds, syncs, exposed))
     tied = []
     for target, stages in sorted(gms.tied.items()):
         keys = set()
@@ -147,14 +172,28 @@ def plan_stages(micro_gm: fx.GraphModule, stage_blocks: tuple[int, ...], sub: Me
     return out
 
 
-def _grad_transient(p: Plan, m: int) -> float:
-    """Gradients in flight in the stage's busiest op backward (its plan is one micro-batch's),
-    or the fresh gradient of its largest parameter that micro-batches after the first add into
-    ``.grad`` (cost_model/liveness.backward_transient_peaks); 0 for a plan read from JSON."""
+def _transients(p: Plan, m: int) -> tuple[float, float]:
+    """(activation bytes of its recomputed blocks, bytes alive once per device at a peak) of a
+    stage plan (one micro-batch's). A recomputed block's activations, less its input, live only
+    during that block's backward: once per device, however many micro-batches are in flight
+    (``cost_model.recompute.recompute_transient_bytes``; a stage plan prices one micro-batch, so
+    its ``activation_bytes`` still hold one copy of them). Besides them, the gradients in flight
+    in the stage's busiest op backward, or the fresh gradient of its largest parameter that
+    micro-batches after the first add into ``.grad`` (cost_model/liveness.backward_transient_peaks).
+    (0, 0) for a plan read from JSON."""
     if p.problem is None or p.choice is None:
-        return 0.0
+        return 0.0, 0.0
     ops, grads = backward_transient_peaks(p.problem, p.choice)
-    return max(ops, grads if m > 1 else 0.0)
+    rc = recompute_transient_bytes(p.problem, p.choice)
+    return rc, rc + max(ops, grads if m > 1 else 0.0)
+
+
+def row_bytes(p: Plan, in_flight: float) -> float:
+    """What a stage plan holds with ``in_flight`` micro-batches in flight, as its ILP's memory
+    row counts it (``cost_model.stage_weights``): its parameter state once (no gradient bucket),
+    its activations per micro-batch in flight, less its recomputed blocks' activations, held once."""
+    rc = _transients(p, 1)[0]
+    return p.param_state_bytes - p.bucket_bytes + in_flight * (p.activation_bytes - rc) + rc
 
 
 def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule: str, stage_mesh: MeshSpec,
@@ -167,9 +206,10 @@ def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule:
     # read from JSON has no problem to split: all of its step per micro-batch)
     split = [microbatch_and_step_seconds(p) if p.problem is not None else (p.step_seconds, 0.0) for p in stages]
     # no gradient buckets in a pipeline: its syncs run once per step on .grad (runtime.pipeline)
-    costs = [StageCost(s[0], p.param_state_bytes - p.bucket_bytes, p.activation_bytes, c.send_bytes,
-                       c.send_grad_bytes, transient_bytes=_grad_transient(p, m))
-             for p, c, s in zip(stages, stages.chunks, split)]
+    held = [_transients(p, m) for p in stages]
+    costs = [StageCost(s[0], p.param_state_bytes - p.bucket_bytes, p.activation_bytes - h[0], c.send_bytes,
+                       c.send_grad_bytes, transient_bytes=h[1])
+             for p, c, s, h in zip(stages, stages.chunks, split, held)]
     pc = pipeline_cost(costs, schedule, m, pp_link, v, idle_speedup)
     after = max(sum(split[k + j * pp][1] for j in range(v)) for k in range(pp))
     tied_s = sum(t.seconds for t in stages.tied)
@@ -183,6 +223,43 @@ def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule:
     info = PipelineInfo(pp, schedule, m, v, str(stage_mesh), block_prefix, tuple(stage_blocks), pc.bubble_fraction,
                         pc.bubble_seconds, pc.p2p_bytes_per_step, tuple(infos), recompute, stages.tied, stages.chunks)
     return info, pc.step_seconds + after + tied_s
+
+
+def _floor_seconds(p: Plan) -> float:
+    """No layouts of a stage plan's graph take less per micro-batch than every op at its
+    cheapest option (reshards, syncs, recompute and gathers only add); 0 read from JSON."""
+    if p.problem is None:
+        return 0.0
+    return sum(min(d.seconds) for d in p.problem.decisions.values() if not d.is_param)
+
+
+def stage_lower_bound(stages: StagePlans, pp: int, m: int, v: int, pp_link: Link, idle_speedup: float = 1.0
+                      ) -> float:
+    """A lower bound on the step of every choice of stage layouts of this pipeline (its stages'
+    blocks, sub-mesh, ``m`` micro-batches and schedule, as ``info_from_stage_plans`` composes
+    them). Per chunk j, L_j bounds its micro-batch time plus its once-per-step time over m (its
+    weighted ILP's bound, ``cost_model.stage_weights``) and F_j its micro-batch time alone
+    (``_floor_seconds``); s_j its sends. 1F1B / GPipe: the step is at least
+    ``(m - 1) t_k + sum_j t_j + s_k`` for every stage k, so at least
+    ``m (L_k + s_k) + sum_{j != k} (F_j + s_j)``; interleaved, device k at least
+    ``m sum L + (m + (p - 1)/v) sum s + (p - 1)/v sum F`` over its chunks. With ``idle_speedup``
+    (oversubscribed CPU ranks) it is divided by that. The tied weights' syncs are left out (their
+    size depends on the layouts)."""
+    floors = [_floor_seconds(p) for p in stages]
+    lows = [max(p.solver.lower_bound, f) if p.solver.lower_bound == p.solver.lower_bound else f
+            for p, f in zip(stages, floors)]
+    sends = [p2p_s(c.send_bytes, pp_link) + p2p_s(c.send_grad_bytes, pp_link) for c in stages.chunks]
+    n = len(stages)
+    if v == 1:
+        free = sum(f + s for f, s in zip(floors, sends))
+        bound = max(m * (lows[k] + sends[k]) + free - floors[k] - sends[k] for k in range(n))
+    else:
+        def device(vals: list[float], k: int) -> float:
+            return sum(vals[j] for j in range(k, n, pp))
+
+        bound = max(m * device(lows, k) + (m + (pp - 1) / v) * device(sends, k) + (pp - 1) / v * device(floors, k)
+                    for k in range(pp))
+    return bound / idle_speedup
 
 
 def hand_pipeline_plan(model, example_inputs, n_gpus: int, *, pp: int, n_microbatches: int, schedule: str,
@@ -222,7 +299,8 @@ def hand_pipeline_plan(model, example_inputs, n_gpus: int, *, pp: int, n_microba
     plan_options.pop("baselines", None)
     plan_options.pop("mesh", None)
     name = plan_options.pop("model_name", None) or type(model).__name__
-    stages = plan_stages(micro, blocks, sub, pp, link, plan_fn, dict(plan_options, hardware=hw), name)
+    stages = plan_stages(micro, blocks, sub, pp, link, plan_fn, dict(plan_options, hardware=hw), name,
+                         n_microbatches=n_microbatches, schedule=schedule)
     rc = plan_options.get("recompute") == "full"
     info, step = info_from_stage_plans(stages, pp, n_microbatches, v, schedule, sub, prefix, blocks, link, rc,
                                        hw.idle_speedup(n_gpus))
@@ -230,15 +308,18 @@ def hand_pipeline_plan(model, example_inputs, n_gpus: int, *, pp: int, n_microba
     params = sum(stages[s].param_state_bytes - stages[s].bucket_bytes for s in range(worst, n_stages, pp))
     sent = {k: info.predicted_bytes(k) for k in range(pp)}
     busiest = max(range(pp), key=lambda k: sum(sent[k].values()))
-    comm = max(n_microbatches * sum(stages[s].comm_seconds for s in range(k, n_stages, pp)) for k in range(pp))
+    k = max(range(pp), key=lambda k: sum(c.seconds_per_step(n_microbatches) for c in stages.chunks[k::pp]))
+    comm = sum(c.seconds_per_step(n_microbatches) for c in stages.chunks[k::pp])
+    exposed = sum(c.exposed_per_step(n_microbatches) for c in stages.chunks[k::pp])
     first = stages[0]
-    stats = SolverStats("HiGHS per stage (pipeline pinned by hand)", "Optimal", 0.0, step, float("nan"),
+    bound = stage_lower_bound(stages, pp, n_microbatches, v, link, hw.idle_speedup(n_gpus))  # unclipped: tests hold it
+    stats = SolverStats("HiGHS per stage (pipeline pinned by hand)", "Optimal", 0.0, step, bound,
                         sum(s.solver.n_variables for s in stages), sum(s.solver.n_constraints for s in stages),
                         sum(s.solver.ilps_solved for s in stages), 0.0, "pipeline pinned by hand")
     mesh = MeshSpec(("pp", *sub.axes), (pp, *sub.sizes), (link, *sub.links))
     return Plan(model=name, n_devices=n_gpus, mesh=mesh, hardware=hw.name, strategy="pp", optimizer=first.optimizer,
                 mixed_precision=first.mixed_precision, memory_budget_bytes=first.memory_budget_bytes, step_seconds=step,
-                compute_seconds=max(step - info.bubble_seconds - comm, 0.0), comm_seconds=comm,
+                compute_seconds=max(step - info.bubble_seconds - exposed, 0.0), comm_seconds=comm,
                 param_state_bytes=params, activation_bytes=info.stages[worst].peak_memory_bytes - params,
                 comm_bytes=sent[busiest], solver=stats, baselines=(), nodes=first.nodes,
                 graph_fingerprint=graph_fingerprint(gm), pipeline=info, recompute=(prefix,) if rc else (),

@@ -111,6 +111,7 @@ class Problem:
     # parameter decision key -> its share of its ZeRO unit's elements (``cost_model.blocks.unit_key``):
     # the share of a unit collective's latency it pays (``comm.unit_collective_s``)
     unit_shares: dict[str, float] = field(default_factory=dict)
+    stage: Any = None  # a pipeline stage's StageWeights: what its ILP weighs (cost_model/stage_weights.py)
 
     def strategy_of(self, name: str, choice: dict[str, int]) -> Strategy:
         """The strategy node ``name`` runs under a solved ``choice``."""

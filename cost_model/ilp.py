@@ -46,6 +46,7 @@ import numpy as np
 from autopar.errors import AutoparError, format_bytes
 
 from .problem import Problem
+from .stage_weights import ilp_problem
 
 __all__ = ["SolveResult", "LPDuals", "InfeasibleBudgetError", "solve", "min_memory_bytes"]
 
@@ -372,6 +373,7 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     ``relax=True`` solves the LP relaxation only: its objective bounds every plan from below,
     and when its solution is integral (``result.integral``) it is the ILP's optimum."""
     t0 = time.perf_counter()
+    problem = ilp_problem(problem)  # a pipeline stage weighs a step of m micro-batches (stage_weights.py)
     if memory_budget_bytes is not None and (need := min_memory_bytes(problem)) > memory_budget_bytes:
         # Every plan needs at least the least-memory option of each decision: infeasible without
         # asking HiGHS, which on huge meshes (GPT-3 175B on m0=1024) stopped with 'Solve error'.

@@ -42,7 +42,7 @@ from .fsdp_pricing import fsdp_fusions
 from .recompute import recomputed_keys
 
 __all__ = ["SCHEDULES", "bubble_fraction", "activations_in_flight", "StageCost", "PipelineCost", "pipeline_cost",
-           "step_sync_bytes", "tied_sync_cost"]
+           "step_sync_bytes", "step_sync_seconds", "tied_sync_cost"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -133,21 +133,31 @@ def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v:
                         tuple(dev_seconds), tuple(dev_memory), p2p)
 
 
-def step_sync_bytes(problem, choice: dict) -> dict[str, float]:
-    """Bytes one rank sends for a stage's parameter gradient all-reduces, which a pipeline runs
-    once per step after the schedule (runtime.pipeline defers them), not once per micro-batch:
-    the syncs ``evaluate`` counts, less ZeRO-2's reduce-scatters and ZeRO-3's fused ones (those
-    stay per micro-batch)."""
-    mesh = problem.mesh
+def _step_syncs(problem, choice: dict):
+    """(sync, active count) of the parameter gradient all-reduces a pipeline stage runs once per
+    step after the schedule (runtime.pipeline defers them), not once per micro-batch: the syncs
+    ``evaluate`` counts, less ZeRO-2's reduce-scatters and ZeRO-3's fused ones (those stay per
+    micro-batch)."""
     fused, _ = fsdp_fusions(problem, choice, recomputed_keys(problem, choice))
-    total = 0.0
     for g in problem.syncs:
         if not g.param or g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
             continue
         count = g.active_count(choice)
         if count and (g.tensor, g.axis, g.layout) not in fused:
-            total += bytes_sent_per_rank("all_reduce", g.nbytes, mesh.sizes[g.axis]) * count
+            yield g, count
+
+
+def step_sync_bytes(problem, choice: dict) -> dict[str, float]:
+    """Bytes one rank sends for a stage's once-per-step gradient all-reduces (``_step_syncs``)."""
+    total = sum(bytes_sent_per_rank("all_reduce", g.nbytes, problem.mesh.sizes[g.axis]) * count
+                for g, count in _step_syncs(problem, choice))
     return {"all_reduce": total} if total else {}
+
+
+def step_sync_seconds(problem, choice: dict) -> float:
+    """Seconds of a stage's once-per-step gradient all-reduces (``_step_syncs``), as ``evaluate``
+    prices them into the stage plan's communication time."""
+    return sum(g.seconds * count / g.count for g, count in _step_syncs(problem, choice))
 
 
 def tied_sync_cost(nbytes: float, n_positions: int, link: Link) -> tuple[float, float]:

@@ -51,6 +51,7 @@ from .costs import TrainingSpec, activation_bytes, compute_seconds
 from .hardware import Hardware
 from .offload import add_host_memory, param_option_cost
 from .recompute import add_recompute
+from .stage_key import STAGE_KEY
 from .reshard import CommStep, reshard_seconds, reshard_steps, steps_seconds, transitions
 
 __all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins", "partial_grad_axes", "zero2_steps",
@@ -333,7 +334,6 @@ class _Builder:
                 steps.append(CommStep("all_reduce", a, total * layout.local_fraction(self.mesh)))
         return steps
 
-
     def add_outputs(self) -> None:
         """The model's outputs go back to the user whole: price their reshard to replicated."""
         for out in (n for n in self.gm.graph.nodes if n.op == "output"):
@@ -492,7 +492,7 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: Train
     leaves ZeRO-2 out of the parameters' options."""
     builder = _Builder(gm, mesh, hw, train, pins, zero2)
     problem = builder.build()
-    problem.train = train
+    problem.train, problem.stage = train, gm.meta.get(STAGE_KEY)  # a pipeline stage: its ILP weights
     # block runs the ILP may recompute (cost_model/recompute.py); their forward runs again
     add_recompute(problem, hw, train, lambda n, st: builder.algorithm_steps(n, st, backward=False))
     add_host_memory(problem, hw, train)  # ZeRO-Offload's host bytes (cost_model/offload.py)
