@@ -191,7 +191,7 @@ def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -
                                  str(d.node.target))
             slot = 0.0 if key in alone else parts.bucket
             persistent += (parts.weights + parts.state + slot) * d.count
-            bucket += slot * d.count
+            bucket += parts.bucket * d.count  # as param_state_bytes prices them (ILP's row)
             if slot and not problem.train.mixed_precision:  # .grad becomes the slot (same dtype)
                 shared_grads += min(slot, parts.grads) * d.count
             # its gradient exists from the backward of its last reader in the forward on
