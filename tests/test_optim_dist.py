@@ -59,7 +59,10 @@ def test_sharded_lamb_lars_equal_single_process_and_need_the_reduction(results, 
     assert len(_not_close(ref, build()[0].state_dict())) > len(ref) // 2  # the steps moved the weights
     good = r[f"{kind}/reduced"]["params"]
     for k, v in ref.items():
-        torch.testing.assert_close(good[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{family} {kind} {k}: {m}")
+        # atol 2e-6: megatron-dp's LAMB measured 1.04e-6 on 1 of 256 elements of one bias after 3 steps
+        # (fp32: its norm is summed from pieces in another order; on this machine's packages since
+        # 2026-12-05, also at the commit that passed before). Per-piece norms miss by far more.
+        torch.testing.assert_close(good[k], v, rtol=1e-5, atol=2e-6, msg=lambda m: f"{family} {kind} {k}: {m}")
     per_piece = _not_close(r[f"{kind}/per-piece"]["params"], ref)
     sent = r[f"{kind}/reduced"]["sent"][-1].get("all_reduce", 0.0)
     if family == "dp":  # nothing is cut: nothing to reduce, and per-piece norms are whole norms
