@@ -40,16 +40,7 @@ def results(launched):
     return launched(4)
 
 
-# Known, open (issue 19): since the stage ILPs weigh m micro-batches and hold the schedule's
-# activations in flight (cost_model/stage_weights.py), the interleaved pick is planned with other
-# stage layouts whose peak the composition over-predicts by 11% (110.0 MB for 97.4 measured).
-# strict: the test fails as soon as the prediction is within 10% again.
-_OPEN = {case_key(PIPELINES[0])}
-_PARAMS = [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="interleaved stage peak over-predicted 11%"))
-           if case_key(c) in _OPEN else c for c in CASES + PIPELINES]
-
-
-@pytest.mark.parametrize("case", _PARAMS, ids=[case_key(c) for c in CASES + PIPELINES])
+@pytest.mark.parametrize("case", CASES + PIPELINES, ids=[case_key(c) for c in CASES + PIPELINES])
 def test_step_peak_within_10_percent_of_the_plan(results, case, report_line):
     r = results[case_key(case)]
     assert "error" not in r, r["error"]
