@@ -28,7 +28,6 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Shard
 
 from autopar.errors import BadArgumentError
 from autopar.mesh import MeshSpec
@@ -39,7 +38,7 @@ from .hardware import Hardware
 from .saved_inputs import kept_output, saved_facts
 
 __all__ = ["TrainingSpec", "node_flops", "compute_seconds", "activation_bytes", "param_state_bytes",
-           "is_view", "OPTIMIZER_STATE_BYTES", "RECOMPUTE_MODES"]
+           "is_view", "OPTIMIZER_STATE_BYTES", "RECOMPUTE_MODES", "OpFacts", "op_facts"]
 
 aten = torch.ops.aten
 
@@ -158,33 +157,73 @@ def _bytes_moved(node: fx.Node, elem_bytes: int) -> float:
 
 
 def work_split(strategy: Strategy, mesh: MeshSpec) -> int:
-    """How many ways the node's work is divided: the sizes of the axes where a tensor is sharded."""
+    """How many ways the node's work is divided: the sizes of the axes where a tensor is sharded
+    (a Shard's code is its dim, >= 0: ``Layout.codes``, ints instead of torch's placements)."""
     split = 1
+    layouts = strategy.inputs + strategy.outputs
     for a, size in enumerate(mesh.sizes):
-        if any(isinstance(l.placements[a], Shard) for l in strategy.inputs + strategy.outputs):
+        if any(l.codes[a] >= 0 for l in layouts):
             split *= size
     return split
 
 
+@dataclass(frozen=True)
+class OpFacts:
+    """What ``compute_seconds`` and ``activation_bytes`` need of a node that no strategy or
+    mesh changes: computed once per node (``op_facts``), not once per strategy priced."""
+
+    flops: float  # node_flops
+    moved_elems: int  # elements of every tensor input and output (``_bytes_moved`` / elem bytes)
+    loss_input_elems: int  # the cross-entropy loss's input (its log-probabilities written), else 0
+    contraction: bool  # _has_contraction
+    outs: tuple[tuple[int, bool, int], ...]  # (numel, floating point, element size) per output
+    kept: bool  # kept_output (True when not asked: no gradient, or a view)
+    extra_bytes: float  # saved_facts(...).extra_bytes (0 when not asked)
+
+
+def op_facts(node: fx.Node, needs: dict[str, bool], needs_grad: bool) -> OpFacts:
+    """The strategy-independent facts of ``node`` (``needs``: which nodes need a gradient)."""
+    priced = node.op == "call_function" and node.target not in _VIEWS
+    ce = priced and node.target == aten.cross_entropy_loss.default
+    ins = [t for a in list(node.args) + list(node.kwargs.values()) for t in _tensors(a)] if priced else []
+    outs = _tensors(node)
+    saving = needs_grad and not is_view(node)
+    return OpFacts(
+        flops=node_flops(node) if priced else 0.0,
+        moved_elems=sum(t.numel() for t in ins) + sum(t.numel() for t in outs) if priced else 0,
+        loss_input_elems=_numel(_tensors(node.args[0])[0]) if ce else 0,
+        contraction=_has_contraction(node),
+        outs=tuple((t.numel(), t.dtype.is_floating_point, t.element_size()) for t in outs),
+        kept=kept_output(node, needs, _VIEWS) if saving else True,
+        extra_bytes=saved_facts(node, needs).extra_bytes if saving else 0.0)
+
+
 def compute_seconds(node: fx.Node, strategy: Strategy, mesh: MeshSpec, hw: Hardware, train: TrainingSpec,
-                    needs_grad: bool) -> tuple[float, float]:
-    """(forward, backward) seconds of ``node`` run with ``strategy`` on one device."""
+                    needs_grad: bool, facts: OpFacts | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of ``node`` run with ``strategy`` on one device; ``facts``:
+    ``op_facts(node, ...)``, given by a caller that prices many strategies of one node."""
     if node.op != "call_function" or node.target in _VIEWS:
         return 0.0, 0.0
     split = work_split(strategy, mesh)
-    flops = node_flops(node) / split
-    moved = _bytes_moved(node, train.activation_bytes_per_elem) / split
+    if facts is None:
+        flops = node_flops(node) / split
+        moved = _bytes_moved(node, train.activation_bytes_per_elem) / split
+    else:
+        flops = facts.flops / split
+        moved = float(facts.moved_elems) * train.activation_bytes_per_elem / split
     peak = hw.peak_flops if train.mixed_precision else hw.peak_flops_fp32
     bandwidth = hw.efficiency * hw.memory_bandwidth_bytes_per_s
     if node.target in _SOFTMAX_LIKE and hw.softmax_bytes_per_s > 0:
         bandwidth = hw.softmax_bytes_per_s  # a measured rate (autopar calibrate): no efficiency on top
         if node.target == aten.cross_entropy_loss.default:
-            moved += _numel(_tensors(node.args[0])[0]) * train.activation_bytes_per_elem / split
+            elems = _numel(_tensors(node.args[0])[0]) if facts is None else facts.loss_input_elems
+            moved += elems * train.activation_bytes_per_elem / split
     fwd = max(flops / (hw.efficiency * peak), moved / bandwidth)
     fwd += hw.kernel_overhead_s
     if not needs_grad:
         return fwd, 0.0
-    bwd = hw.backward_ratio * fwd if _has_contraction(node) else fwd
+    contraction = _has_contraction(node) if facts is None else facts.contraction
+    bwd = hw.backward_ratio * fwd if contraction else fwd
     return fwd, bwd
 
 
@@ -197,21 +236,25 @@ def _has_contraction(node: fx.Node) -> bool:
 
 
 def activation_bytes(node: fx.Node, strategy: Strategy, mesh: MeshSpec, train: TrainingSpec,
-                     needs_grad: bool, needs: dict[str, bool] | None = None) -> float:
+                     needs_grad: bool, needs: dict[str, bool] | None = None, facts: OpFacts | None = None) -> float:
     """Bytes this node keeps alive until its backward, on one device. With ``needs`` (which
     nodes need a gradient), as autograd keeps them (``saved_inputs.kept_output``): its output
     only where it or a reader saves it, plus what the op saves besides (layer norm's
-    statistics, attention's log-sum-exp); without, its output always (an upper bound)."""
+    statistics, attention's log-sum-exp); without, its output always (an upper bound).
+    ``facts``: ``op_facts(node, needs, needs_grad)``, used only with ``needs``."""
     if not needs_grad or is_view(node):
         return 0.0
-    outs = _tensors(node)
-    keep = True if needs is None else kept_output(node, needs, _VIEWS)
+    if needs is None:
+        outs, keep = tuple((t.numel(), t.dtype.is_floating_point, t.element_size()) for t in _tensors(node)), True
+    else:
+        facts = facts or op_facts(node, needs, needs_grad)
+        outs, keep = facts.outs, facts.kept
     total = 0.0
-    for t, layout in zip(outs, strategy.outputs):
-        elem = train.activation_bytes_per_elem if t.dtype.is_floating_point else t.element_size()
-        total += t.numel() * elem * layout.local_fraction(mesh) * keep
+    for (numel, floating, size), layout in zip(outs, strategy.outputs):
+        elem = train.activation_bytes_per_elem if floating else size
+        total += numel * elem * layout.local_fraction(mesh) * keep
     if needs is not None:  # per-row statistics and the like: split as the op's work is
-        total += saved_facts(node, needs).extra_bytes / work_split(strategy, mesh)
+        total += facts.extra_bytes / work_split(strategy, mesh)
     return total
 
 

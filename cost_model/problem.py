@@ -40,14 +40,12 @@ from autopar.technique import PriceContext, technique, techniques_for
 from .blocks import block_of as _block_of  # noqa: F401 (passes/split_stages imports it from here)
 from .blocks import unit_key
 from .decisions import Decision, EdgeTerm, Problem, SyncTerm
-from .graph_facts import graph_memo as _graph_memo
-from .graph_facts import requires_grad as _requires_grad
-from .graph_facts import share_blocks_and_ties as _share_blocks_and_ties
-from .graph_facts import tensor_inputs as _inputs
+from .graph_facts import graph_memo as _graph_memo, requires_grad as _requires_grad
+from .graph_facts import share_blocks_and_ties as _share_blocks_and_ties, tensor_inputs as _inputs
 from .saved_inputs import saves_input
 from .buckets import bucketed_all_reduce_s
 from .comm import all_reduce_s, unit_collective_s
-from .costs import TrainingSpec, activation_bytes, compute_seconds
+from .costs import TrainingSpec, activation_bytes, compute_seconds, op_facts
 from .hardware import Hardware
 from .offload import add_host_memory, param_option_cost
 from .recompute import add_recompute
@@ -275,8 +273,10 @@ class _Builder:
             return sec, mem
         if n.op in ("placeholder", "get_attr"):
             return 0.0, _tensor_bytes(n.meta["val"], train) * st.output.local_fraction(mesh)
-        fwd, bwd = compute_seconds(n, st, mesh, hw, train, self.needs[n.name])
-        return fwd + bwd, activation_bytes(n, st, mesh, train, self.needs[n.name], self.needs)
+        grad = self.needs[n.name]
+        facts = _graph_memo(n.graph, f"op_facts {n.name}", lambda: op_facts(n, self.needs, grad))
+        fwd, bwd = compute_seconds(n, st, mesh, hw, train, grad, facts)
+        return fwd + bwd, activation_bytes(n, st, mesh, train, grad, self.needs, facts)
 
     def add_follower(self, n: fx.Node) -> bool:
         (producer, out_idx), = _inputs(n)
