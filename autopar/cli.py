@@ -24,6 +24,10 @@ from .errors import AutoparError, BadArgumentError
 
 __all__ = ["main", "run"]
 
+# gc.set_threshold's third value: a full collection runs once this many young (generation-1)
+# collections passed; a plan makes a few hundred
+_NO_FULL_COLLECTIONS = 1_000_000
+
 
 def _load_model(spec: str, batch_size: int | None, seq_len: int | None, device: str):
     """A zoo name, or ``package.module:factory`` returning (model, example_inputs)."""
@@ -206,6 +210,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         # the cyclic collector's full passes skip them (gpt2 on 8: 0.46 -> 0.28 s of them), here
         # and in the planner's forked helpers. Only where this process is the command's own.
         gc.freeze()
+        # No full collections while planning either: each walks every object the trace and the
+        # problems made (200-350K on gpt2-xl) and found next to nothing to free (0-64 objects;
+        # 17 of them took 1.75 s of gpt2-xl on 64). Young collections still free the search's
+        # short-lived cycles; what lives past them stays until the process ends, soon after.
+        gen0, gen1, _ = gc.get_threshold()
+        gc.set_threshold(gen0, gen1, _NO_FULL_COLLECTIONS)
     result = plan(model, args.gpus, example_inputs, hardware=args.hardware, mesh=args.mesh,
                   strategy=args.strategy, memory_budget_bytes=budget, optimizer=args.optimizer,
                   model_name=args.model, progress=not args.quiet, baselines=not args.no_baselines,
@@ -357,6 +367,10 @@ def run() -> None:
     """The process entry point (the ``autopar`` script, ``python -m autopar[.cli]``): ``main``,
     then exit. Everything left is frozen first: the interpreter's collections at exit would
     otherwise walk torch's and the plan's objects once more (0.6 s of `autopar plan gpt2 --gpus 8`)."""
+    # autopar's import (torch's) left ~270K objects uncollected (autopar/__init__.py): frozen at
+    # once, before the young collections would walk them all up the generations (0.4 s of
+    # `autopar plan gpt2 --gpus 8`); they live until the process ends anyway
+    gc.freeze()
     code = main(own_process=True)
     sys.stdout.flush()
     gc.freeze()
