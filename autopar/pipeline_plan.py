@@ -23,7 +23,8 @@ from autopar.passes.split_stages import block_count
 from autopar.trace import graph_fingerprint
 
 from .errors import AutoparError
-from .pipeline_search import PipelineChoice, global_batch, search_pipeline
+from .pipeline_candidates import global_batch
+from .pipeline_search import PipelineChoice, search_pipeline
 from .pipeline_stages import info_from_stage_plans, plan_stages, row_bytes, stage_lower_bound
 from .plan import Plan, SolverStats
 
@@ -171,7 +172,10 @@ def pipeline_if_faster(gm: fx.GraphModule, best: Plan | None, n_gpus: int, hw: H
         # fewer than 2 micro-batches per stage of even a 2-stage pipeline: half the devices
         # would idle, so with a plan that fits the search is skipped (it costs seconds at scale)
         return best
-    choice = search_pipeline(gm, n_gpus, hw, train, budget, plan_fn=plan_fn, progress=progress)
+    # the plan without stages is kept unless a pipeline is faster: candidates that cannot beat it
+    # are pruned inside the search, which leaves every pipeline that does beat it as it was
+    choice = search_pipeline(gm, n_gpus, hw, train, budget, plan_fn=plan_fn, progress=progress,
+                             incumbent_s=best.step_seconds if best is not None else float("inf"))
     if choice is None or (best is not None and choice.step_seconds >= best.step_seconds):
         return best
     if best is not None:  # the bound covers the plans without stages too
