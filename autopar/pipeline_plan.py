@@ -19,11 +19,12 @@ from autopar.cost_model.costs import TrainingSpec
 from autopar.cost_model.pipeline import activations_in_flight
 from autopar.cost_model.hardware import Hardware
 from autopar.mesh import MeshSpec
-from autopar.passes.split_stages import block_count
+from autopar.passes.split_stages import block_count, even_stage_blocks
 from autopar.trace import graph_fingerprint
 
 from .errors import AutoparError
-from .pipeline_search import PipelineChoice, global_batch, search_pipeline
+from .pipeline_candidates import global_batch
+from .pipeline_search import PipelineChoice, search_pipeline
 from .pipeline_stages import info_from_stage_plans, plan_stages, row_bytes, stage_lower_bound
 from .plan import Plan, SolverStats
 
@@ -48,8 +49,8 @@ def pipeline_plan(choice: PipelineChoice, gm: fx.GraphModule, n_gpus: int, hw: H
     comm_s, exposed_s, comm_bytes = 0.0, 0.0, {}
     step, params, acts = choice.step_seconds, choice.param_bytes, choice.activation_bytes
     if micro_graph is not None:
-        stage_plans, info, step, layouts_bound = _fitting_stage_plans(micro_graph(m), info, sub.mesh, choice.pp_link,
-                                                                      hw, train, budget, plan_fn, model_name, n_gpus)
+        stage_plans, info, step, layouts_bound = _best_split_stage_plans(micro_graph(m), info, sub.mesh, choice.pp_link,
+                                                                         hw, train, budget, plan_fn, model_name, n_gpus)
         # the Plan's bound covers every pipeline the search priced (whole-batch pieces, loose where
         # micro-batches run less efficiently); this one's stage layouts are bounded far closer
         note = (note + "; " if note else "") + (f"this pipeline's stage layouts: lower bound "
@@ -81,6 +82,33 @@ def pipeline_plan(choice: PipelineChoice, gm: fx.GraphModule, n_gpus: int, hw: H
                 comm_bytes=comm_bytes, solver=stats, baselines=tuple(baselines), nodes=sub.nodes,
                 graph_fingerprint=graph_fingerprint(gm), pipeline=info,
                 recompute=(info.block_prefix,) if info.recompute else (), stage_plans=tuple(stage_plans))
+
+
+def _best_split_stage_plans(micro: fx.GraphModule, info, sub: MeshSpec, link, hw: Hardware, train: TrainingSpec,
+                            budget: float, plan_fn: Callable[..., Plan], model_name: str, n_gpus: int):
+    """``_fitting_stage_plans`` of the search's split of the blocks, and of the even split where
+    that differs (one model chunk per device): whichever composes to the faster step. The search
+    balances the stages by whole-batch pieces priced with no memory limit; the stage ILPs hold
+    the schedule's activations in their memory rows, and where those bind, the stages the
+    search gave more blocks lose their fast layouts. GPT-3 175B on 1024 at batch 1536 without
+    recompute: blocks (11, 12, 13, 13, 13, 13, 13, 8) compose to 48.86 s, 12 each to 46.98 s."""
+    splits = [info.stage_blocks]
+    even = even_stage_blocks(sum(info.stage_blocks), info.n_stages)
+    if info.virtual_stages == 1 and even != info.stage_blocks:
+        splits.append(even)
+    best, error = None, None
+    for blocks in splits:
+        try:
+            got = _fitting_stage_plans(micro, dataclasses.replace(info, stage_blocks=blocks), sub, link, hw, train,
+                                       budget, plan_fn, model_name, n_gpus)
+        except AutoparError as exc:  # this split does not fit: the other may
+            error = error or exc
+            continue
+        if best is None or got[2] < best[2]:
+            best = got
+    if best is None:
+        raise error
+    return best
 
 
 def _fitting_stage_plans(micro: fx.GraphModule, info, sub: MeshSpec, link, hw: Hardware, train: TrainingSpec,
@@ -171,7 +199,10 @@ def pipeline_if_faster(gm: fx.GraphModule, best: Plan | None, n_gpus: int, hw: H
         # fewer than 2 micro-batches per stage of even a 2-stage pipeline: half the devices
         # would idle, so with a plan that fits the search is skipped (it costs seconds at scale)
         return best
-    choice = search_pipeline(gm, n_gpus, hw, train, budget, plan_fn=plan_fn, progress=progress)
+    # the plan without stages is kept unless a pipeline is faster: candidates that cannot beat it
+    # are pruned inside the search, which leaves every pipeline that does beat it as it was
+    choice = search_pipeline(gm, n_gpus, hw, train, budget, plan_fn=plan_fn, progress=progress,
+                             incumbent_s=best.step_seconds if best is not None else float("inf"))
     if choice is None or (best is not None and choice.step_seconds >= best.step_seconds):
         return best
     if best is not None:  # the bound covers the plans without stages too

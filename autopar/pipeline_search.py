@@ -24,6 +24,9 @@ build per sub-mesh) only where they may win: under ``recompute="auto"`` a sub-me
 when a lower bound on its recomputed pipelines (``_recompute_bound``: the same pipelines
 without recompute and without a memory limit, bubble included) is no better than the best
 pipeline without recompute, so the choice is the one pricing every sub-mesh would make.
+Given a plan the caller keeps unless a pipeline beats it (``incumbent_s``), a sub-mesh prices
+its middle piece first and skips the other two where that piece alone bounds every pipeline on
+it above the incumbent (``_middle_bound``): the middle piece is most of the work at scale.
 
 The chosen pipeline's stages are then planned for one micro-batch each (``pipeline_stages``),
 and made into a Plan by ``autopar.pipeline_plan``: the Plan carries those stage plans, their
@@ -45,164 +48,91 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 import torch.fx as fx
 
 from autopar.cost_model.hardware import Hardware
 from autopar.cost_model.pipeline import StageCost, activations_in_flight, pipeline_cost, tied_sync_cost
 from autopar.cost_model.problem import build_problem
-from autopar.cost_model.recompute import recompute_effect, recompute_transient_bytes, recomputed_keys
-from autopar.cost_model.comm import collective_s, p2p_s, unit_collective_s
+from autopar.cost_model.recompute import recompute_transient_bytes
+from autopar.cost_model.comm import p2p_s
 from autopar.cost_model.costs import TrainingSpec
-from autopar.cost_model.evaluate import shared_reshards
-from autopar.cost_model.fsdp_pricing import fsdp_fusions, fsdp_unit_s, fsdp_unit_shares
 from autopar.cost_model.liveness import backward_transient_peaks
-from autopar.cost_model.offload import device_parts
 from autopar.mesh import Link, MeshSpec
 from autopar.passes.annotate import annotate
 from autopar.passes.split_stages import block_container, split_stages
 
 from .errors import AutoparError
 from .forking import share_work
+from .pipeline_candidates import global_batch, microbatch_counts, sub_meshes
 from .pipeline_info import PipelineInfo, PipelineStageInfo
+from .pipeline_parts import Part, boundary_bytes, split_costs
 from .plan import Plan
 
-__all__ = ["PipelineChoice", "search_pipeline", "global_batch", "microbatch_and_step_seconds"]
-
-
-@dataclass(frozen=True)
-class _Part:
-    """A piece of the graph on a sub-mesh, for the whole batch, split by how its costs scale."""
-
-    batch_seconds: float = 0.0  # compute, activation collectives: scale with the micro-batch
-    use_seconds: float = 0.0  # parameter reshards (ZeRO-3 gathers): paid per micro-batch
-    step_seconds: float = 0.0  # optimizer, parameter gradient syncs: once per step
-    param_bytes: float = 0.0
-    act_bytes: float = 0.0  # for the whole batch; scales with the micro-batch
-
-    def __add__(self, o: "_Part") -> "_Part":
-        return _Part(*(a + b for a, b in zip(self._fields(), o._fields())))
-
-    def __sub__(self, o: "_Part") -> "_Part":
-        return _Part(*(max(a - b, 0.0) for a, b in zip(self._fields(), o._fields())))
-
-    def scale(self, f: float) -> "_Part":
-        return _Part(*(a * f for a in self._fields()))
-
-    def _fields(self) -> tuple[float, ...]:
-        return (self.batch_seconds, self.use_seconds, self.step_seconds, self.param_bytes, self.act_bytes)
-
-
-def _bucket_bytes(problem, d, i: int) -> float:
-    """The gradient bucket slot a parameter's device bytes include (``offload.device_parts``): a
-    pipeline stage has none, its syncs run once per step on ``.grad`` itself (``runtime.pipeline``).
-    Priced, they put 6 MiB on the fidelity GPT's last stage under pp=2 x dp=2 (bench/memwhere.py)."""
-    st, zero = d.options[i]
-    return device_parts(d.node.meta["val"].numel(), st.output, problem.mesh, problem.train, zero,
-                        str(d.node.target)).bucket * d.count
-
-
-def _split_costs(problem, choice: dict, regathers: bool = True) -> _Part:
-    """A solved problem's predicted costs split as _Part says (the same terms evaluate() adds up);
-    ``regathers=False``: less the backward re-gathers of ZeRO-3 weights (a recomputed block runs
-    none: its recompute gathers again, priced with its forward)."""
-    mesh = problem.mesh
-    batch = use = step = params = acts = 0.0
-    for key, d in problem.decisions.items():
-        i = choice[key]
-        if d.is_param:  # the optimizer once per step; ZeRO-2's collectives (comm_seconds) at every use
-            step, use = step + d.seconds[i] - d.comm_seconds[i], use + d.comm_seconds[i]
-            params += d.memory_bytes[i] - _bucket_bytes(problem, d, i)
-        else:
-            batch += d.seconds[i]
-            acts += d.memory_bytes[i]
-    shared = shared_reshards(problem, choice)  # copies that reuse another op's reshard
-    for idx, e in enumerate(problem.edges):
-        a, b = e.producer_layouts[choice[e.producer]], e.consumer_layouts[choice[e.consumer]]
-        seconds = e.seconds[(a, b)] * (e.count - shared.get(idx, 0)) / e.count
-        acts += e.memory.get((a, b), 0.0) * (e.count - shared.get(idx, 0)) / e.count
-        if problem.decisions[e.producer].is_param:
-            use += seconds
-        else:
-            batch += seconds
-    fused, again = fsdp_fusions(problem, choice, recomputed_keys(problem, choice) if regathers
-                                else frozenset(problem.decisions))  # ZeRO-3, per micro-batch
-    shares = fsdp_unit_shares(problem, choice)
-    for st, count, share in again:
-        use += unit_collective_s(st.collective, st.nbytes, mesh.sizes[st.axis], mesh.links[st.axis], share) * count
-    for g in problem.syncs:
-        if g.param and g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
-            continue
-        count = g.active_count(choice)
-        if count:
-            if (g.tensor, g.axis, g.layout) in fused:  # the gather's reduce-scatter, per micro-batch
-                use += fsdp_unit_s(problem, "reduce_scatter", g.nbytes, g.axis, g.param, shares) * count
-            elif g.param:  # once per step, after the schedule (runtime.pipeline defers them)
-                step += g.seconds * count / g.count
-            else:
-                batch += g.seconds * count / g.count
-    rc_compute, rc_comm, rc_saved, _ = recompute_effect(problem, choice, shared)  # recomputed blocks
-    return _Part(batch + rc_compute + rc_comm, use, step, params, acts - rc_saved)
-
-
-def microbatch_and_step_seconds(plan: Plan) -> tuple[float, float]:
-    """A stage plan's (per micro-batch, once per step) seconds, as the search composes them."""
-    part = _split_costs(plan.problem, plan.choice)
-    return part.batch_seconds + part.use_seconds, part.step_seconds
-
-
-def _boundary_bytes(gm: fx.GraphModule, train: TrainingSpec) -> tuple[float, float]:
-    """Bytes one stage hands the next (whole tensors) and the gradient bytes sent back."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    fwd = bwd = 0.0
-    for x in torch.utils._pytree.tree_leaves(out.args[0]):
-        val = x.meta.get("val") if isinstance(x, fx.Node) else None
-        if isinstance(val, torch.Tensor):
-            if val.dtype.is_floating_point:
-                b = val.numel() * train.activation_bytes_per_elem
-                fwd, bwd = fwd + b, bwd + b
-            else:
-                fwd += val.numel() * val.element_size()
-    return fwd, bwd
+__all__ = ["PipelineChoice", "search_pipeline"]
 
 
 @dataclass(frozen=True)
 class _SubMesh:
     mesh: MeshSpec
-    embed: _Part  # non-block work before the blocks (embeddings)
-    block: _Part  # one block
-    head: _Part  # non-block work after the blocks (head, loss)
+    embed: Part  # non-block work before the blocks (embeddings)
+    block: Part  # one block
+    head: Part  # non-block work after the blocks (head, loss)
     send_bytes: float  # per boundary, whole batch
     grad_bytes: float
     batch: int  # the batch the parts were priced for
     nodes: tuple  # NodePlans of the three pieces (the layouts inside a stage)
-    block_rc: _Part | None = None  # one block recomputed: keeps its input only (cost_model/recompute.py)
+    block_rc: Part | None = None  # one block recomputed: keeps its input only (cost_model/recompute.py)
     transient_bytes: float = 0.0  # one recomputed block's activations, alive during its backward
     tied_bytes: float = 0.0  # gradients of weights tied between the first and last piece
     middle_choice: dict | None = None  # the middle piece's solved choice (what _with_recompute prices)
-    block_floor: _Part | None = None  # one block less its ZeRO-3 re-gathers: recompute costs no less
+    block_floor: Part | None = None  # one block less its ZeRO-3 re-gathers: recompute costs no less
     # per piece (embed, block, head): (gradients in flight in one op's backward, whole batch;
     # the largest parameter gradient): cost_model/liveness.backward_transient_peaks
     grad_transients: tuple = ((0.0, 0.0),) * 3
 
 
-def _price_submesh(pieces, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: TrainingSpec,
-                   time_limit_s: float, batch: int, make_plan: Callable[..., Plan]) -> _SubMesh | None:
+def _price_submesh(pieces, p: int, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: TrainingSpec,
+                   time_limit_s: float, batch: int, make_plan: Callable[..., Plan], prefix: str,
+                   incumbent_s: float = float("inf")) -> "_SubMesh | float | None":
+    """The pieces priced on ``mesh`` (None: they cannot be), or, where the middle piece alone
+    shows that no pipeline of ``p`` stages on it steps faster than ``incumbent_s``
+    (``_middle_bound``), that bound: the other two pieces are then left unpriced."""
+    def solve(g: fx.GraphModule) -> Plan:
+        return make_plan(g, mesh.n_devices, mesh=mesh, hardware=hw, baselines=False, memory_budget_bytes=1e30,
+                         optimizer=train.optimizer, mixed_precision=train.mixed_precision,
+                         time_limit_s=time_limit_s, model_name="stage", pipeline=False)
+
     try:
-        plans = [make_plan(g, mesh.n_devices, mesh=mesh, hardware=hw, baselines=False, memory_budget_bytes=1e30,
-                           optimizer=train.optimizer, mixed_precision=train.mixed_precision,
-                           time_limit_s=time_limit_s, model_name="stage", pipeline=False) for g in pieces]
+        mid = solve(pieces[1])  # first: where it prunes, the end pieces are never built
+        send, grad = boundary_bytes(pieces[0], train)
+        floor = split_costs(mid.problem, mid.choice, regathers=False).scale(1.0 / (n_blocks - 2))
+        if incumbent_s < float("inf"):
+            bound = _middle_bound(floor, p, mesh, n_blocks, send, grad, batch, hw, prefix)
+            if bound >= incumbent_s:
+                return bound
+        plans = [solve(pieces[0]), mid, solve(pieces[2])]
     except AutoparError:  # the batch does not divide on this mesh, or the like
         return None
-    first, middle, last = (_split_costs(p.problem, p.choice) for p in plans)
+    first, middle, last = (split_costs(p.problem, p.choice) for p in plans)
     block = middle.scale(1.0 / (n_blocks - 2))
-    send, grad = _boundary_bytes(pieces[0], train)
     nodes = tuple(n for p in plans for n in p.nodes)
     tied = sum(_weight_bytes(pieces[0], target) for target, stages in pieces.tied.items() if 2 in stages)
     grad_t = tuple(backward_transient_peaks(p.problem, p.choice) for p in plans)
-    floor = _split_costs(plans[1].problem, plans[1].choice, regathers=False).scale(1.0 / (n_blocks - 2))
     return _SubMesh(mesh, first - block, block, last - block, send, grad, batch, nodes, None, 0.0, tied,
                     dict(plans[1].choice), floor, grad_t)
+
+
+def _middle_bound(floor: Part, p: int, mesh: MeshSpec, n_blocks: int, send: float, grad: float, batch: int,
+                  hw: Hardware, prefix: str) -> float:
+    """No pipeline of p stages on ``mesh`` steps faster, with or without recompute, whatever the
+    end pieces cost: ``_recompute_bound`` on a sub-mesh whose every block costs ``floor`` (one
+    block less its ZeRO-3 re-gathers, at most what a block costs with or without recompute)
+    and whose embeddings, head and tied weights cost nothing. The end pieces' parts are
+    ``first - block`` and ``last - block`` clipped at zero per field, the tied weights' bytes
+    at least zero, and a pipeline's step grows with every device's time, so each pipeline the
+    search would compose from the priced pieces is at least this one's."""
+    sub = _SubMesh(mesh, Part(), floor, Part(), send, grad, batch, (), block_floor=floor)
+    return _recompute_bound(sub, p, n_blocks, hw, prefix)
 
 
 def _with_recompute(sub: _SubMesh, pieces, n_blocks: int, hw: Hardware, train: TrainingSpec) -> _SubMesh:
@@ -211,7 +141,7 @@ def _with_recompute(sub: _SubMesh, pieces, n_blocks: int, hw: Hardware, train: T
     rc_problem = build_problem(pieces[1], sub.mesh, hw, dataclasses.replace(train, recompute="full"))
     rc_choice = {**sub.middle_choice, **{t.key: 1 for t in rc_problem.recompute}}
     transient = recompute_transient_bytes(rc_problem, rc_choice)
-    block_rc = (_split_costs(rc_problem, rc_choice) - _Part(act_bytes=transient)).scale(1.0 / (n_blocks - 2))
+    block_rc = (split_costs(rc_problem, rc_choice) - Part(act_bytes=transient)).scale(1.0 / (n_blocks - 2))
     return dataclasses.replace(sub, block_rc=block_rc, transient_bytes=transient)
 
 
@@ -252,7 +182,7 @@ def _recompute_bound(sub: _SubMesh, p: int, n_blocks: int, hw: Hardware, prefix:
     link = hw.mesh_spec(("pp", *sub.mesh.axes), (p, *sub.mesh.sizes)).links[0]
     after = whole.step_seconds / p + tied_sync_cost(sub.tied_bytes, 2 if p > 1 else 1, link)[1]
     best = float("inf")
-    for m in _microbatch_counts(sub.batch, p, sub.mesh):
+    for m in microbatch_counts(sub.batch, p, sub.mesh):
         sends = [(p2p_s(sub.send_bytes / m, link) if k < p - 1 else 0.0) + (p2p_s(sub.grad_bytes / m, link) if k
                                                                               else 0.0) for k in range(p)]
         cost = [[part.batch_seconds / m + part.use_seconds + sends[k] for part in
@@ -284,7 +214,7 @@ class PipelineChoice:
     lower_bound_s: float = float("nan")  # no pipeline the search covers is faster (_work_bound)
 
 
-def _stage_part(sub: _SubMesh, n: int, first: bool, last: bool, rc: bool = False) -> _Part:
+def _stage_part(sub: _SubMesh, n: int, first: bool, last: bool, rc: bool = False) -> Part:
     part = (sub.block_rc if rc else sub.block).scale(n)
     if first:
         part = part + sub.embed
@@ -301,7 +231,7 @@ def _grad_transient(sub: _SubMesh, m: int, last: bool, first: bool) -> float:
     return max(max(ops / m, grads if m > 1 else 0.0) for ops, grads in pieces)
 
 
-def _stage_cost(part: _Part, m: int, sub: _SubMesh, last: bool, first: bool, rc: bool = False) -> StageCost:
+def _stage_cost(part: Part, m: int, sub: _SubMesh, last: bool, first: bool, rc: bool = False) -> StageCost:
     return StageCost(seconds=part.batch_seconds / m + part.use_seconds, param_state_bytes=part.param_bytes,
                      activation_bytes=part.act_bytes / m, send_bytes=0.0 if last else sub.send_bytes / m,
                      send_grad_bytes=0.0 if first else sub.grad_bytes / m,
@@ -394,28 +324,21 @@ def _work_bound(sub: _SubMesh, p: int, n_blocks: int) -> float:
     a step is at least m times the busiest device's micro-batch time (``pipeline_cost``), that is
     at least the batch work over p, and the syncs after the drain at least the step work over p
     (sends, parameter gathers and the bubble only add; recompute only adds compute)."""
-    block = sub.block if sub.block_rc is None else _Part(
+    block = sub.block if sub.block_rc is None else Part(
         *(min(a, b) for a, b in zip(sub.block._fields(), sub.block_rc._fields())))
     whole = sub.embed + block.scale(n_blocks) + sub.head
     return (whole.batch_seconds + whole.step_seconds) / p
 
 
-def _sub_meshes(n_sub: int, hw: Hardware) -> list[MeshSpec]:
-    """1- and 2-axis sub-meshes: a data-like axis and an inner axis inside a node."""
-    out = [hw.mesh_spec(("dp",), (n_sub,))]
-    t = 2
-    while t <= min(n_sub, hw.devices_per_node):
-        if n_sub % t == 0:
-            out.append(hw.mesh_spec(("dp", "tp"), (n_sub // t, t)) if n_sub > t else hw.mesh_spec(("tp",), (t,)))
-        t *= 2
-    return out
-
-
 def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: TrainingSpec, budget: float, *,
                     plan_fn: Callable[..., Plan], pp: int | None = None, stage_mesh: MeshSpec | None = None,
-                    time_limit_s: float = 10.0, progress=None) -> PipelineChoice | None:
+                    time_limit_s: float = 10.0, progress=None, incumbent_s: float = float("inf")
+                    ) -> PipelineChoice | None:
     """The fastest pipeline that fits (see module doc), or None when none does or the model
-    has fewer than 3 repeated blocks. ``pp`` / ``stage_mesh`` pin the stage count / sub-mesh."""
+    has fewer than 3 repeated blocks. ``pp`` / ``stage_mesh`` pin the stage count / sub-mesh.
+    ``incumbent_s``: the step of a plan the caller keeps unless a pipeline is faster; candidates
+    that provably cannot beat it are priced in part or not at all (``_middle_bound``,
+    ``_recompute_bound``), so the result is the same wherever it beats ``incumbent_s``."""
     try:
         prefix, indices = block_container(gm)
     except AutoparError:
@@ -430,24 +353,31 @@ def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: Traini
         return None
     pps = [pp] if pp else [d for d in range(2, n_blocks + 1) if n_gpus % d == 0 and n_gpus // d >= 1]
     todo = [(p, mesh) for p in pps for mesh in ([stage_mesh] if stage_mesh is not None else
-                                                 _sub_meshes(n_gpus // p, hw))]
+                                                 sub_meshes(n_gpus // p, hw))]
     kw = dict(n_blocks=n_blocks, batch=batch, budget=budget, hw=hw, prefix=prefix, progress=progress)
     # the sub-meshes are priced independently: a forked child prices part of them (autopar.forking);
     # 2-axis sub-meshes cost about twice a 1-axis one (more strategies per op)
-    priced = share_work(todo, lambda pm: _price_submesh(pieces, pm[1], n_blocks, hw, train, time_limit_s, batch,
-                                                        plan_fn), weight=lambda pm: float(pm[1].ndim))
+    priced = share_work(todo, lambda pm: _price_submesh(pieces, pm[0], pm[1], n_blocks, hw, train, time_limit_s,
+                                                        batch, plan_fn, prefix, incumbent_s),
+                        weight=lambda pm: float(pm[1].ndim))
+    # a candidate pruned by its middle piece keeps its bound for the search-wide one
+    pruned = [x for x in priced if isinstance(x, float)]
+    priced = [x if isinstance(x, _SubMesh) else None for x in priced]
+    if progress and pruned:
+        progress(f"pipeline: {len(pruned)} of {len(todo)} sub-meshes cannot beat {incumbent_s * 1e3:,.1f} ms")
     best = _best_of(todo, priced, (False,) if train.recompute in ("none", "auto") else (), None, **kw)
     if train.recompute != "none":
-        # recomputed blocks, priced where they may win: under "auto", a sub-mesh whose bound
-        # (_recompute_bound) is no better than the best pipeline without recompute is skipped
+        # recomputed blocks, priced where they may win: a sub-mesh whose bound (_recompute_bound) is no
+        # better than incumbent_s, or under "auto" than the best pipeline without recompute, is skipped
+        limit = min(incumbent_s, best.step_seconds) if best is not None and train.recompute == "auto" else incumbent_s
         keep = [k for k, (pm, sub) in enumerate(zip(todo, priced)) if sub is not None and (
-            train.recompute == "full" or best is None or _recompute_bound(sub, pm[0], n_blocks, hw, prefix) < best.step_seconds)]
+            limit == float("inf") or _recompute_bound(sub, pm[0], n_blocks, hw, prefix) < limit)]
         if progress:
             progress(f"pipeline recompute: {len(keep)} of {sum(x is not None for x in priced)} sub-meshes may win")
         again = share_work([priced[k] for k in keep], lambda sub: _with_recompute(sub, pieces, n_blocks, hw, train))
         priced = [dict(zip(keep, again)).get(k, sub) for k, sub in enumerate(priced)]
         best = _best_of([todo[k] for k in keep], [priced[k] for k in keep], (True,), best, **kw)
-    bound = min((_work_bound(sub, pm[0], n_blocks) for pm, sub in zip(todo, priced) if sub is not None),
+    bound = min([_work_bound(sub, pm[0], n_blocks) for pm, sub in zip(todo, priced) if sub is not None] + pruned,
                 default=float("inf"))
     # unclipped by best.step_seconds: a valid bound is below it anyway (tests check that)
     return None if best is None else dataclasses.replace(best, lower_bound_s=bound)
@@ -461,7 +391,7 @@ def _best_of(todo, priced, rcs: tuple[bool, ...], best: PipelineChoice | None, *
         for (_, mesh), sub in ((pm, sub) for pm, sub in zip(todo, priced) if pm[0] == p):
             if sub is None or not rcs:
                 continue
-            for m, rc in ((m, rc) for m in _microbatch_counts(batch, p, mesh) for rc in rcs):
+            for m, rc in ((m, rc) for m in microbatch_counts(batch, p, mesh) for rc in rcs):
                 for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)):
                     if v > 1 and (n_blocks % (p * v) or m % p):
                         continue
@@ -478,23 +408,3 @@ def _best_of(todo, priced, rcs: tuple[bool, ...], best: PipelineChoice | None, *
             progress(f"pipeline pp={p}{' (recompute)' if rcs == (True,) else ''}: best so far "
                      f"{best.step_seconds * 1e3:,.1f} ms" if best else f"pipeline pp={p}: nothing fits yet")
     return best
-
-
-def global_batch(gm: fx.GraphModule) -> int:
-    sizes = [n.meta["val"].shape[0] for n in gm.graph.nodes if n.op == "placeholder"
-             and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0]
-    return int(sizes[0]) if sizes else 1
-
-
-def _microbatch_counts(batch: int, p: int, mesh: MeshSpec) -> list[int]:
-    """Micro-batch counts that split the batch evenly and leave each micro-batch divisible by
-    the sub-mesh's data axis: p, 2p, 4p, ... (fewer than p leaves most of the pipeline idle)."""
-    data = mesh.sizes[0] if mesh.axes[0] == "dp" else 1
-    out, m = [], p
-    while m <= batch:
-        if batch % m == 0 and (batch // m) % data == 0:
-            out.append(m)
-        m *= 2
-    if not out and batch % data == 0:
-        out = [d for d in range(1, batch + 1) if batch % d == 0 and (batch // d) % data == 0][-1:]
-    return out

@@ -36,7 +36,7 @@ from autopar.passes.split_stages import REQUIRES_GRAD_KEY, block_container, even
 from autopar.trace import graph_fingerprint, trace
 
 from .errors import AutoparError
-from .pipeline_search import microbatch_and_step_seconds
+from .pipeline_parts import microbatch_and_step_seconds
 from .pipeline_info import ChunkComm, PipelineInfo, PipelineStageInfo, TiedSync, microbatch_inputs
 from .plan import Plan, SolverStats
 

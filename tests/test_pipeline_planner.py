@@ -144,6 +144,48 @@ def test_recompute_is_priced_only_where_it_may_win(monkeypatch):
     assert pruned.step_seconds == everywhere.step_seconds and pruned.info == everywhere.info
 
 
+def test_candidates_that_cannot_beat_the_incumbent_are_pruned_by_their_middle_blocks(monkeypatch):
+    # Given the step of the plan the caller keeps (incumbent_s), a sub-mesh whose middle piece
+    # alone bounds its pipelines above that step leaves its end pieces unpriced. The bound must
+    # hold for every pipeline composed on that sub-mesh (recomputed or not), and the search must
+    # return the same pipeline wherever it beats the incumbent, and none that does not.
+    import autopar.pipeline_search as ps
+    from autopar.cost_model.costs import TrainingSpec
+
+    monkeypatch.setattr("autopar.forking.fork_is_safe", lambda: False)  # every candidate seen here
+    model, inputs = gpt("gpt-tiny", batch_size=16, seq_len=64, n_layer=6, n_embd=128, n_head=4)
+    gm = autopar.trace(model, inputs)
+    hw = get_hardware("a100-80gb")
+    train = TrainingSpec("adamw", True, "auto", False)
+    args = (gm, 8, hw, train, hw.memory_bytes)
+    full = ps.search_pipeline(*args, plan_fn=autopar.plan)
+    for incumbent in (full.step_seconds * 1.001, full.step_seconds, full.step_seconds * 0.5):
+        got = ps.search_pipeline(*args, plan_fn=autopar.plan, incumbent_s=incumbent)
+        if full.step_seconds < incumbent:
+            assert got.step_seconds == full.step_seconds and got.info == full.info
+        else:
+            assert got is None or got.step_seconds >= incumbent
+    bounds, seen, compose, middle = {}, {}, ps._compose, ps._middle_bound
+
+    def record(sub, counts, p, m, v, schedule, hw_, prefix, budget, rc=False):
+        got = compose(sub, counts, p, m, v, schedule, hw_, prefix, budget, rc)
+        if got is not None and budget < float("inf"):
+            seen[(p, str(sub.mesh))] = min(seen.get((p, str(sub.mesh)), float("inf")), got.step_seconds)
+        return got
+
+    def note(floor, p, mesh, *rest):  # note the bound, prune nothing
+        bounds[(p, str(mesh))] = middle(floor, p, mesh, *rest)
+        return -float("inf")
+
+    monkeypatch.setattr(ps, "_compose", record)
+    monkeypatch.setattr(ps, "_middle_bound", note)
+    ps.search_pipeline(*args, plan_fn=autopar.plan, incumbent_s=1e9)  # bounds computed, recompute priced
+    assert seen and set(seen) <= set(bounds)
+    for key, fastest in seen.items():
+        assert bounds[key] <= fastest * (1 + 1e-9), (key, bounds[key], fastest)
+    assert any(bounds[k] > full.step_seconds for k in bounds)  # some sub-mesh is pruned for real
+
+
 def test_a_pinned_pipeline_pays_its_optimizer_once_per_step():
     # A pipeline runs each stage's optimizer (and its gradient syncs) once per step, after the
     # drain; a pipeline pinned by hand (hand_pipeline_plan) once priced them with every
@@ -251,9 +293,10 @@ def test_pipeline_plans_carry_a_lower_bound_on_their_step():
     searched = autopar.plan(model, 8, inputs, baselines=False, strategy="pp")
     ms = float(searched.solver.mesh_search.split("stage layouts: lower bound ")[1].split(" ms")[0].replace(",", ""))
     assert searched.solver.lower_bound <= ms * 1e-3 <= searched.step_seconds, (searched.solver, searched.step_seconds)
-    # tight too: within 15% (18.8 ms under 19.25 on its branch; 17.25 once the stage ILPs' LP bounds
-    # also cover ZeRO-2 options they did not solve, autopar/zero2_bound.py, which is looser)
-    assert ms * 1e-3 > 0.85 * searched.step_seconds
+    # tight too: within 20% (18.8 ms under 19.25 on its branch; 17.25 once the stage ILPs' LP bounds
+    # also cover ZeRO-2 options they did not solve, autopar/zero2_bound.py, which is looser; 15.26
+    # under 18.02 since the planner also composes the even split of the blocks, (6, 6) for (9, 3))
+    assert ms * 1e-3 > 0.8 * searched.step_seconds
 
 
 def test_a_stage_tight_with_its_micro_batches_in_flight_searches_zero2():

@@ -1,0 +1,119 @@
+"""A solved piece of the graph (a pipeline stage, or a piece the pipeline search prices) split
+by how its costs scale with the micro-batch (``Part``): the terms ``evaluate`` adds up, sorted
+into per-micro-batch work, per-micro-batch parameter reshards, once-per-step work, and memory.
+``autopar.pipeline_search`` composes candidate pipelines from them; ``autopar.pipeline_stages``
+prices stage plans with them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.cost_model.comm import unit_collective_s
+from autopar.cost_model.costs import TrainingSpec
+from autopar.cost_model.evaluate import shared_reshards
+from autopar.cost_model.fsdp_pricing import fsdp_fusions, fsdp_unit_s, fsdp_unit_shares
+from autopar.cost_model.offload import device_parts
+from autopar.cost_model.recompute import recompute_effect, recomputed_keys
+
+from .plan import Plan
+
+__all__ = ["Part", "split_costs", "microbatch_and_step_seconds", "boundary_bytes"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """A piece of the graph on a sub-mesh, for the whole batch, split by how its costs scale."""
+
+    batch_seconds: float = 0.0  # compute, activation collectives: scale with the micro-batch
+    use_seconds: float = 0.0  # parameter reshards (ZeRO-3 gathers): paid per micro-batch
+    step_seconds: float = 0.0  # optimizer, parameter gradient syncs: once per step
+    param_bytes: float = 0.0
+    act_bytes: float = 0.0  # for the whole batch; scales with the micro-batch
+
+    def __add__(self, o: "Part") -> "Part":
+        return Part(*(a + b for a, b in zip(self._fields(), o._fields())))
+
+    def __sub__(self, o: "Part") -> "Part":
+        return Part(*(max(a - b, 0.0) for a, b in zip(self._fields(), o._fields())))
+
+    def scale(self, f: float) -> "Part":
+        return Part(*(a * f for a in self._fields()))
+
+    def _fields(self) -> tuple[float, ...]:
+        return (self.batch_seconds, self.use_seconds, self.step_seconds, self.param_bytes, self.act_bytes)
+
+
+def _bucket_bytes(problem, d, i: int) -> float:
+    """The gradient bucket slot a parameter's device bytes include (``offload.device_parts``): a
+    pipeline stage has none, its syncs run once per step on ``.grad`` itself (``runtime.pipeline``).
+    Priced, they put 6 MiB on the fidelity GPT's last stage under pp=2 x dp=2 (bench/memwhere.py)."""
+    st, zero = d.options[i]
+    return device_parts(d.node.meta["val"].numel(), st.output, problem.mesh, problem.train, zero,
+                        str(d.node.target)).bucket * d.count
+
+
+def split_costs(problem, choice: dict, regathers: bool = True) -> Part:
+    """A solved problem's predicted costs split as Part says (the same terms evaluate() adds up);
+    ``regathers=False``: less the backward re-gathers of ZeRO-3 weights (a recomputed block runs
+    none: its recompute gathers again, priced with its forward)."""
+    mesh = problem.mesh
+    batch = use = step = params = acts = 0.0
+    for key, d in problem.decisions.items():
+        i = choice[key]
+        if d.is_param:  # the optimizer once per step; ZeRO-2's collectives (comm_seconds) at every use
+            step, use = step + d.seconds[i] - d.comm_seconds[i], use + d.comm_seconds[i]
+            params += d.memory_bytes[i] - _bucket_bytes(problem, d, i)
+        else:
+            batch += d.seconds[i]
+            acts += d.memory_bytes[i]
+    shared = shared_reshards(problem, choice)  # copies that reuse another op's reshard
+    for idx, e in enumerate(problem.edges):
+        a, b = e.producer_layouts[choice[e.producer]], e.consumer_layouts[choice[e.consumer]]
+        seconds = e.seconds[(a, b)] * (e.count - shared.get(idx, 0)) / e.count
+        acts += e.memory.get((a, b), 0.0) * (e.count - shared.get(idx, 0)) / e.count
+        if problem.decisions[e.producer].is_param:
+            use += seconds
+        else:
+            batch += seconds
+    fused, again = fsdp_fusions(problem, choice, recomputed_keys(problem, choice) if regathers
+                                else frozenset(problem.decisions))  # ZeRO-3, per micro-batch
+    shares = fsdp_unit_shares(problem, choice)
+    for st, count, share in again:
+        use += unit_collective_s(st.collective, st.nbytes, mesh.sizes[st.axis], mesh.links[st.axis], share) * count
+    for g in problem.syncs:
+        if g.param and g.axis in problem.decisions[g.param].options[choice[g.param]][1]:
+            continue
+        count = g.active_count(choice)
+        if count:
+            if (g.tensor, g.axis, g.layout) in fused:  # the gather's reduce-scatter, per micro-batch
+                use += fsdp_unit_s(problem, "reduce_scatter", g.nbytes, g.axis, g.param, shares) * count
+            elif g.param:  # once per step, after the schedule (runtime.pipeline defers them)
+                step += g.seconds * count / g.count
+            else:
+                batch += g.seconds * count / g.count
+    rc_compute, rc_comm, rc_saved, _ = recompute_effect(problem, choice, shared)  # recomputed blocks
+    return Part(batch + rc_compute + rc_comm, use, step, params, acts - rc_saved)
+
+
+def microbatch_and_step_seconds(plan: Plan) -> tuple[float, float]:
+    """A stage plan's (per micro-batch, once per step) seconds, as the search composes them."""
+    part = split_costs(plan.problem, plan.choice)
+    return part.batch_seconds + part.use_seconds, part.step_seconds
+
+
+def boundary_bytes(gm: fx.GraphModule, train: TrainingSpec) -> tuple[float, float]:
+    """Bytes one stage hands the next (whole tensors) and the gradient bytes sent back."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    fwd = bwd = 0.0
+    for x in torch.utils._pytree.tree_leaves(out.args[0]):
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            if val.dtype.is_floating_point:
+                b = val.numel() * train.activation_bytes_per_elem
+                fwd, bwd = fwd + b, bwd + b
+            else:
+                fwd += val.numel() * val.element_size()
+    return fwd, bwd
