@@ -198,19 +198,31 @@ class _Schedule:
 class _Packed:
     """The saved gathered weights of one forward, in order: backward unpacks them about in
     reverse; unpacking one re-gathers its unit's (the run of saved weights of one unit) and
-    launches the re-gather of the unit saved before it."""
+    launches the re-gather of the unit saved before it.
+
+    It holds its items weakly (autograd's saved tensors own them) and their unit keys: a strong
+    list made a reference cycle (item -> this -> item) that outlived the backward until the
+    garbage collector ran, and with it every item's shard. Where the shard is not the stored
+    parameter (a 2D head weight gathered on another axis first) that kept 4 MiB of the bench
+    GPT alive into the next step (bench/memwhere.py: ``?:clone.default``)."""
 
     def __init__(self) -> None:
-        self.items: list["_Regather"] = []
+        self.items: list[weakref.ref] = []
+        self.keys: list = []  # per item: its unit key (``_runs``), or None
         self.spans: list[tuple[int, int]] | None = None
+
+    def add(self, x: "_Regather") -> int:
+        self.items.append(weakref.ref(x))
+        self.keys.append(None if x.param is None or x.unit is None else (id(x.group), x.unit))
+        return len(self.items) - 1
 
     def launch(self, index: int) -> None:
         """Re-gather (asynchronously) the unit holding item ``index``: its items not yet used."""
         if self.spans is None or len(self.spans) != len(self.items):
-            self.spans = _runs([None if x.param is None or x.unit is None else (id(x.group), x.unit)
-                                for x in self.items])
+            self.spans = _runs(self.keys)
         start, stop = self.spans[index]
-        todo = [x for x in self.items[start:stop] if x.launch is None and not x.used and x.param is not None]
+        alive = [ref() for ref in self.items[start:stop]]
+        todo = [x for x in alive if x is not None and x.launch is None and not x.used and x.param is not None]
         if todo:
             flat = _Flat([(x.param, x.dim) for x in todo], todo[0].group)
             for k, x in enumerate(todo):
@@ -221,14 +233,14 @@ class _Regather:
     """A saved view of a gathered weight, held as its shard: gathered again on unpack."""
 
     __slots__ = ("shard", "dim", "group", "unit", "size", "stride", "offset", "param", "packed", "index", "launch",
-                 "used")
+                 "used", "__weakref__")
 
     def __init__(self, shard, dim, group, unit, t: torch.Tensor, packed: _Packed):
         self.shard, self.dim, self.group, self.unit = shard, dim, group, unit
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
         self.param = _param_of(shard, dim)
-        self.packed, self.index, self.launch, self.used = packed, len(packed.items), None, False
-        packed.items.append(self)
+        self.packed, self.launch, self.used = packed, None, False
+        self.index = packed.add(self)
 
 
 def _land(landings, work) -> None:
