@@ -9,18 +9,31 @@ gradients are collected until the unit's last one arrives, then reduce-scattered
 buffer, of which at most ``IN_FLIGHT`` are in flight. Per unit this module gives the bytes those
 moments hold: the whole weights (forward gather, and the whole gradients in backward) and the
 re-gathered weights, per block copy, in the order the forward first uses them.
+
+A gather whose reshard moves the parameter on another axis first (a 2D layout's head weight:
+all-gathered on one axis, then ZeRO-3-gathered on the other) reads that step's result, not the
+stored shard; the saved weight is re-gathered from it in backward, so the runtime keeps it
+from the forward to that re-gather (``kept_bytes``). On bench/fidelity.py's GPT under 2D, the
+lm_head weight's column-gathered half (4 MiB) stayed alive through the step where the walk
+counted nothing (``bench/memwhere.py``: predicted 67.8 MiB for 76.3 measured).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
+from autopar.mesh import MeshSpec
+from autopar.strategy import Layout
+
 from .blocks import block_of
 from .fsdp_pricing import fused_gathers
+from .moved_reads import new_storage
+from .reshard import transitions
 from .saved_inputs import saves_input
 
-__all__ = ["GatheredUnit", "gathered_units", "param_unit", "IN_FLIGHT"]
+__all__ = ["GatheredUnit", "gathered_units", "gather_source_fraction", "param_unit", "IN_FLIGHT"]
 
 IN_FLIGHT = 2  # gradient reduce-scatters in flight at once (runtime.fsdp.IN_FLIGHT)
 
@@ -40,6 +53,8 @@ class GatheredUnit:
     # weights saved by a recomputed segment (selective recompute): not in the unit's re-gather,
     # gathered one by one by the recompute and held until their backward
     recompute_saved_bytes: float = 0.0
+    # the moved weights a saved gather reads when not the stored shard (module doc): kept until backward
+    kept_bytes: float = 0.0
 
     @property
     def landing_bytes(self) -> float:
@@ -62,6 +77,18 @@ def param_unit(node) -> str:
     return ".".join(target.split(".")[:-1]) or target
 
 
+def gather_source_fraction(a: Layout, b: Layout, mesh: MeshSpec) -> float:
+    """The local fraction of what the ZeRO-3 gather (the last step from ``a`` to ``b``) reads
+    when earlier steps moved the parameter into a new tensor (0: it reads the stored shard)."""
+    steps = transitions(a, b)[:-1]
+    if not any(new_storage(t, mesh) for t in steps):
+        return 0.0
+    codes = list(a.codes)
+    for t in steps:
+        codes[t.axis] = t.dst
+    return 1.0 / math.prod(s for c, s in zip(codes, mesh.sizes) if c >= 0)
+
+
 def gathered_units(problem, choice: dict[str, int], segment_keys: frozenset[str] = frozenset()
                    ) -> list[GatheredUnit]:
     """The ZeRO-3 units under ``choice``, in forward order (empty without ZeRO-3 parameters);
@@ -74,9 +101,10 @@ def gathered_units(problem, choice: dict[str, int], segment_keys: frozenset[str]
     whole: dict[str, dict[str, float]] = defaultdict(dict)  # unit -> gathered tensor -> bytes (one copy)
     saved: dict[str, dict[str, float]] = defaultdict(dict)
     by_recompute: dict[str, dict[str, float]] = defaultdict(dict)
+    kept: dict[str, dict[str, float]] = defaultdict(dict)
     first: dict[str, int] = {}
     runs: dict[str, str | None] = {}
-    for e, _, b, _ in fused_gathers(problem, choice):
+    for e, a, b, _ in fused_gathers(problem, choice):
         producer = problem.decisions[e.producer]
         nbytes = e.total_bytes * b.local_fraction(mesh)
         consumer = problem.decisions[e.consumer].node
@@ -91,6 +119,8 @@ def gathered_units(problem, choice: dict[str, int], segment_keys: frozenset[str]
         if saves_input(target, e.input_index, problem.needs_grad) or any(
                 saves_input(t, e.input_index, problem.needs_grad) for t in e.targets):
             (by_recompute if e.consumer in segment_keys else saved)[unit][key] = nbytes
+            if e.consumer not in segment_keys:
+                kept[unit][key] = e.total_bytes * gather_source_fraction(a, b, mesh)
     return sorted((GatheredUnit(u, runs[u], first[u], sum(whole[u].values()), sum(saved[u].values()),
-                                len(whole[u]), len(saved[u]), sum(by_recompute[u].values()))
+                                len(whole[u]), len(saved[u]), sum(by_recompute[u].values()), sum(kept[u].values()))
                    for u in whole), key=lambda g: g.first)

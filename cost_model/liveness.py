@@ -46,6 +46,7 @@ from autopar.strategy import REPLICATE_CODE
 from .blocks import block_of, split_recompute_entry
 from .buckets import alone_in_bucket
 from .grad_transients import backward_transient_bytes
+from .moved_reads import moved_read_changes
 from .fsdp_memory import IN_FLIGHT, GatheredUnit, gathered_units
 from .offload import device_parts
 from .recompute import chosen_recompute
@@ -203,10 +204,19 @@ def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -
     for idx, nbytes in edge_bytes.items():
         d = problem.decisions[problem.edges[idx].consumer]
         add(d.node, pos.get(d.node, 0), nbytes, 0.0, d.count)
+    for n, nbytes, copies in moved_read_changes(problem, choice, graph_nodes):  # a reader keeps its moved copy
+        add(n, pos[n], nbytes, 0.0, copies)
     for n, t in _transients(problem, choice, graph_nodes):  # gradients in flight, one block copy's ops
         b = block_of(n)
         (runs[b[0]].transients if b is not None else pre_t if pos[n] < lo else head_t).append((pos[n], t))
     chosen = set(chosen_recompute(problem, choice))
+    segments = frozenset(k for t in getattr(problem, "recompute", ()) if t.prefix in chosen
+                         and split_recompute_entry(t.prefix)[1] is not None for k in t.keys)
+    units = gathered_units(problem, choice, segments)
+    for u in units:  # a ZeRO-3 gather reading a moved copy keeps it until its re-gather (fsdp_memory)
+        if u.kept_bytes:
+            copies = runs[u.run].count if u.run in runs else 1
+            add(graph_nodes[u.first], u.first, u.kept_bytes * copies, 0.0, copies)
     for term in getattr(problem, "recompute", ()):
         if term.prefix not in chosen:
             continue
@@ -222,9 +232,7 @@ def step_memory(problem, choice: dict[str, int], edge_bytes: dict[int, float]) -
     kept_blocks = sum(r.count * (r.full - r.recomputed) for r in ordered)
     g_head, g_pre = sum(g for _, _, g in head), sum(g for _, _, g in pre)
     grads = g_pre + g_head + sum(r.count * r.grads for r in ordered)
-    segments = frozenset(k for t in getattr(problem, "recompute", ()) if t.prefix in chosen
-                         and split_recompute_entry(t.prefix)[1] is not None for k in t.keys)
-    z3 = _Zero3(gathered_units(problem, choice, segments), runs, chosen, lo)
+    z3 = _Zero3(units, runs, chosen, lo)
     points = [(persistent + pre_acts + kept_blocks + _walk(head, z3.at_use(head_t, after=True)), "head backward")]
     points += [(persistent + before + extra, "forward gather")
                for before, extra in z3.forward(pre, head, ordered, pre_acts, kept_blocks)]
