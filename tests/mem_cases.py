@@ -66,11 +66,28 @@ GLOO_CPU = dict(name="gloo-cpu", devices_per_node=4, peak_flops=3.157e10, peak_f
                 host_memory_bytes=2.75e11, host_adam_params_per_s=7.12e8, comm_overlap=0.0,
                 optimizer_params_per_s=1.66e8, softmax_bytes_per_s=2.64e9, shared_cores=2.0)
 
+# The profile of bench/fidelity.py's run of 2026-12-09 (rounded to 4 digits; per-collective rates):
+# under it the 2D plan gathers the fidelity GPT's head weight on both axes (the ZeRO-3 gather reads
+# the column-gathered half), a layout the older profile does not pick. ``hardware="cpu-calibrated"``.
+_MEASURED_RATES = [["all_gather", 2, 2.505e8, 1.516e-3], ["all_gather", 4, 3.739e8, 1.444e-3],
+                   ["all_reduce", 2, 5.12e8, 7.577e-4], ["all_reduce", 4, 6.903e8, 1.149e-3],
+                   ["broadcast", 2, 1.032e9, 1.547e-3], ["broadcast", 4, 1.082e9, 5.909e-4], ["p2p", 2, 8.682e8, 4.514e-3],
+                   ["reduce_scatter", 2, 1.685e8, 1.762e-3], ["reduce_scatter", 4, 2.303e8, 2.433e-3]]
+_MEASURED_LINK = dict(name="gloo-loopback-measured", bandwidth_bytes_per_s=5.755e8, latency_s=1.268e-3,
+                      per_collective=_MEASURED_RATES)
+CPU_CALIBRATED = dict(name="calibrated-cpu", devices_per_node=4, peak_flops=3.373e10, peak_flops_fp32=3.373e10,
+                      memory_bandwidth_bytes_per_s=3.136e9, memory_bytes=2.532e10, intra_node=_MEASURED_LINK,
+                      inter_node=_MEASURED_LINK, kernel_overhead_s=7.913e-6, efficiency=1.0,
+                      host_link_bytes_per_s=2.5e10, host_memory_bytes=2.75e11, host_adam_params_per_s=1.734e8,
+                      comm_overlap=0.1318, optimizer_params_per_s=1.515e8, softmax_bytes_per_s=1.928e9,
+                      shared_cores=2.0, backward_ratio=2.273)
+_PROFILES = {"gloo-cpu": GLOO_CPU, "cpu-calibrated": CPU_CALIBRATED}
+
 
 def _hardware(name: str):
     from autopar.cost_model.hardware import Hardware
 
-    return Hardware.from_json(GLOO_CPU) if name == "gloo-cpu" else name
+    return Hardware.from_json(_PROFILES[name]) if name in _PROFILES else name
 
 
 def case_key(case) -> str:

@@ -25,6 +25,13 @@ CASES = [("gpt-vocab", {"strategy": s, "recompute": "none"}) for s in ("dp", "ze
 # Megatron x dp, SUMMA 2D (the runtime's all-gather of the logits' gradient held it twice: 1.15x under)
 CASES += [("gpt-fidelity", {"strategy": s, "recompute": "none", "hardware": "gloo-cpu"})
           for s in ("zero3", "megatron-dp", "2d")]
+# bench/fidelity.py's profile of 2026-12-09 (tests/mem_cases.py): Megatron with sequence parallelism
+# runs its residual adds replicated and its layer norms on sequence slices (the walk kept each add's
+# whole output where the run keeps the slice: 0.89x), and 2D gathers the head weight on both axes
+# (the ZeRO-3 gather's column-gathered source, kept until backward and, through a reference cycle of
+# the runtime's saved-weight records, into the next step: 1.13x)
+# (planned as bench/fidelity.py plans them: the planner's recompute choice)
+CASES += [("gpt-fidelity", {"strategy": s, "hardware": "cpu-calibrated"}) for s in ("megatron-sp", "2d")]
 LAUNCH_CASES = {4: [(case_key(c), "mem_cases:case", {"name": c[0], "options": c[1]}) for c in CASES]}
 # bench/fidelity.py's planner pick, an interleaved pipeline: its stages were priced with gradient
 # buckets the pipeline runtime never allocates (its syncs run once per step on .grad): 0.89x
