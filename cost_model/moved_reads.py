@@ -68,7 +68,7 @@ def moved_read_changes(problem, choice: dict[str, int], graph_nodes) -> list[tup
     """(node, bytes to add to its kept activations over all copies, copies) under ``choice``:
     minus the output of every op whose saving readers all read a moved copy, plus each moved
     copy a non-contraction reader saves (one per layout), at that reader (a repeated block's
-    first copy of it, where the block's decisions stand)."""
+    first copy of it, where the block's decisions stand) when it runs as often as the producer."""
     mesh, needs, train = problem.mesh, problem.needs_grad, problem.train
     by_name = {n.name: n for n in graph_nodes}
     out: list[tuple[fx.Node, float, int]] = []
@@ -109,5 +109,8 @@ def moved_read_changes(problem, choice: dict[str, int], graph_nodes) -> list[tup
         for u, b in readers:
             if b not in panels:
                 panels.add(b)
-                out.append((u, total * b.local_fraction(mesh) * copies, copies))
+                # at the reader, or where its copies are not the producer's (an op before the blocks
+                # read by the first block's copy only), at the producer: freed a little later
+                at = u if _count(problem, u.name) == copies else n
+                out.append((at, total * b.local_fraction(mesh) * copies, copies))
     return out
