@@ -12,8 +12,8 @@ and then timed in rounds: each round runs one step of every plan in turn, a barr
 and after each step, so load swings of a shared machine hit all plans alike; the median over
 rounds is the plan's step time.
 
-Oversubscription: 4 ranks share the machine's 2 cores (2 ranks per core). The profile is
-measured the same way (``autopar calibrate`` runs 4 ranks at once, each measuring its share),
+Oversubscription: 4 ranks share the machine's 2 cores, each pinned to one core (2 ranks per
+core, ``autopar.calibrate_measure.pin_to_core``). The profile is measured the same way (``autopar calibrate`` runs 4 ranks at once, each measuring its share),
 so the cost model prices the oversubscribed machine; nothing is rescaled afterwards.
 
 Prints the per-plan table and the fidelity figures (Spearman of predicted vs measured step
@@ -125,12 +125,14 @@ def _rank(rank: int, port: int, names: list[str], quick: bool, hardware: str, ro
     from memtrack import LiveBytes, bucket_buffers, optimizer_tensors
     from runtime_vs_baselines import FULL, QUICK, build_model
 
+    from autopar.calibrate_measure import pin_to_core
     from autopar.plan import Plan
     from autopar.runtime.offload import make_optimizer
     from autopar.runtime.parallel_module import parallelize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    pin_to_core(rank, WORLD)  # 2 ranks per core, as `autopar calibrate` measured them
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     shape = QUICK if quick else FULL
     chosen = [n for n, _ in PLANS if n in names]
