@@ -104,20 +104,26 @@ def test_gpt3_on_1024_gpus_pipelines(report_line):
                 f"step {p.step_seconds:.2f} s, planned in {seconds:.1f} s")
 
 
+def _tiny_search_args(monkeypatch):
+    """search_pipeline's arguments for a 6-layer tiny GPT on 8 A100s, searched in this process
+    (no forked helper), so every candidate the search composes is seen by the test's spies."""
+    from autopar.cost_model.costs import TrainingSpec
+
+    monkeypatch.setattr("autopar.forking.fork_is_safe", lambda: False)
+    model, inputs = gpt("gpt-tiny", batch_size=16, seq_len=64, n_layer=6, n_embd=128, n_head=4)
+    gm = autopar.trace(model, inputs)
+    hw = get_hardware("a100-80gb")
+    return gm, 8, hw, TrainingSpec("adamw", True, "auto", False), hw.memory_bytes
+
+
 def test_recompute_is_priced_only_where_it_may_win(monkeypatch):
     # The pipeline search prices recomputed blocks (one more problem build per sub-mesh) only
     # where _recompute_bound says they may beat the best pipeline without recompute. The bound
     # must hold for every recomputed candidate, so skipping changes no choice: checked against
     # the search that prices recompute everywhere.
     import autopar.pipeline_search as ps
-    from autopar.cost_model.costs import TrainingSpec
 
-    monkeypatch.setattr("autopar.forking.fork_is_safe", lambda: False)  # every candidate seen here
-    model, inputs = gpt("gpt-tiny", batch_size=16, seq_len=64, n_layer=6, n_embd=128, n_head=4)
-    gm = autopar.trace(model, inputs)
-    hw = get_hardware("a100-80gb")
-    train = TrainingSpec("adamw", True, "auto", False)
-    args = (gm, 8, hw, train, hw.memory_bytes)
+    args = _tiny_search_args(monkeypatch)
     pruned = ps.search_pipeline(*args, plan_fn=autopar.plan)
     bounds, seen, compose = {}, {}, ps._compose
 
@@ -150,14 +156,8 @@ def test_candidates_that_cannot_beat_the_incumbent_are_pruned_by_their_middle_bl
     # hold for every pipeline composed on that sub-mesh (recomputed or not), and the search must
     # return the same pipeline wherever it beats the incumbent, and none that does not.
     import autopar.pipeline_search as ps
-    from autopar.cost_model.costs import TrainingSpec
 
-    monkeypatch.setattr("autopar.forking.fork_is_safe", lambda: False)  # every candidate seen here
-    model, inputs = gpt("gpt-tiny", batch_size=16, seq_len=64, n_layer=6, n_embd=128, n_head=4)
-    gm = autopar.trace(model, inputs)
-    hw = get_hardware("a100-80gb")
-    train = TrainingSpec("adamw", True, "auto", False)
-    args = (gm, 8, hw, train, hw.memory_bytes)
+    args = _tiny_search_args(monkeypatch)
     full = ps.search_pipeline(*args, plan_fn=autopar.plan)
     for incumbent in (full.step_seconds * 1.001, full.step_seconds, full.step_seconds * 0.5):
         got = ps.search_pipeline(*args, plan_fn=autopar.plan, incumbent_s=incumbent)
