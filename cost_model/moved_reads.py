@@ -28,12 +28,10 @@ from autopar.strategy import Layout
 
 from .costs import is_view
 from .reshard import Transition, transitions
-from .saved_inputs import saved_facts
+from .saved_inputs import SAVING_CONTRACTIONS, saved_facts
 
 __all__ = ["new_storage", "moved_copy", "moved_read_changes"]
 
-_CONTRACTIONS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default,
-                 torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}  # those with a panel (problem.py)
 
 
 def new_storage(t: Transition, mesh: MeshSpec) -> bool:
@@ -105,7 +103,7 @@ def moved_read_changes(problem, choice: dict[str, int], graph_nodes) -> list[tup
         copies = _count(problem, n.name)
         total = val.numel() * train.activation_bytes_per_elem
         out.append((n, -total * a.local_fraction(mesh) * copies, copies))
-        panels = {b for u, b in readers if u.target in _CONTRACTIONS}
+        panels = {b for u, b in readers if u.target in SAVING_CONTRACTIONS}
         for u, b in readers:
             if b not in panels:
                 panels.add(b)

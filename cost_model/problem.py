@@ -42,7 +42,7 @@ from .blocks import unit_key
 from .decisions import Decision, EdgeTerm, Problem, SyncTerm
 from .graph_facts import graph_memo as _graph_memo, requires_grad as _requires_grad
 from .graph_facts import share_blocks_and_ties as _share_blocks_and_ties, tensor_inputs as _inputs
-from .saved_inputs import saves_input
+from .saved_inputs import SAVING_CONTRACTIONS, saves_input
 from .buckets import bucketed_all_reduce_s
 from .comm import all_reduce_s, unit_collective_s
 from .costs import TrainingSpec, activation_bytes, compute_seconds, op_facts
@@ -59,9 +59,6 @@ __all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins
 # a predicate on its candidate (strategy, zero) options, or None for no restriction.
 Pins = Any
 
-
-_SAVING_CONTRACTIONS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default,
-                        torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
 
 
 def _tensor_bytes(val: Any, train: TrainingSpec) -> float:
@@ -447,7 +444,7 @@ class _Builder:
         """Memory of an activation a contraction keeps for backward in the layout it moved it
         to (a whole-panel all-gather's result, say): a tensor of its own, besides the producer's
         output. Parameters are left out (ZeRO-3 gathers keep their shard and gather again)."""
-        if v.target not in _SAVING_CONTRACTIONS or self.decisions[ukey].is_param:
+        if v.target not in SAVING_CONTRACTIONS or self.decisions[ukey].is_param:
             return {}
         # per copy; edges_and_syncs multiplies by the copies whose op keeps it
         # only where the runtime moves it (a layout change with no step is the same storage)

@@ -22,7 +22,13 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-__all__ = ["saves_input", "SavedFacts", "saved_facts", "kept_output"]
+__all__ = ["saves_input", "SavedFacts", "saved_facts", "kept_output", "SAVING_CONTRACTIONS"]
+
+# Contractions that save a moved input as a panel of their own (``problem.saved_panel_bytes``
+# prices it; ``moved_reads`` leaves those copies to it)
+SAVING_CONTRACTIONS = frozenset({torch.ops.aten.linear.default, torch.ops.aten.mm.default,
+                                 torch.ops.aten.matmul.default, torch.ops.aten.bmm.default,
+                                 torch.ops.aten.addmm.default})
 
 
 @dataclass(frozen=True)
