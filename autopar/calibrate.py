@@ -42,9 +42,12 @@ What is measured, on every rank at once (each rank is one "device" of the profil
   nothing crossed a node boundary to measure. Under ``torchrun`` over several nodes the
   intra-node link is fitted on each node's own ranks and the inter-node link on all ranks.
 
-``efficiency`` is written as 1.0: the cost model divides by ``efficiency * peak``, and a
-measured matmul rate or copy rate is already what dense kernels reach, so scaling it down
-again would count the same loss twice.
+``efficiency``: on CUDA 1.0 (the cost model divides by ``efficiency * peak``, and a measured
+matmul or copy rate is already what dense kernels reach). On CPU it is fitted to a reference
+training step every rank times at once (``autopar/calibrate_reference.py``): a small GPT's
+forward, backward and AdamW, which ran at 0.64 of what the kernel rates price on this
+project's machine (4 ranks, 2 cores); the fitted value makes the cost model price that step
+as it ran.
 
 Ranks measure concurrently because that is how they run: on a CPU box the ranks share the
 cores and the memory bus, and a rank's rate is its share. Per-rank device rates are combined
@@ -73,6 +76,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .calibrate_reference import REFERENCE_SHAPE, EfficiencyFit, fit_efficiency
 from .calibrate_measure import CalibrationError, measure_device, rank_measure, spawn_ranks
 from .cost_model.comm import collective_s
 from .cost_model.hardware import Hardware, get_hardware
@@ -137,6 +141,7 @@ class DeviceMeasurements:
     backward_ratio: float = 0.0  # a linear layer's backward time over its forward (0: not measured)
     softmax_bytes_per_s: float = 0.0  # log-softmax over 8192-wide rows, input + output bytes (0: not measured)
     host_adam_params_per_s: float = 0.0  # the host AdamW of ZeRO-Offload (0: not measured)
+    reference_step_seconds: float = 0.0  # autopar/calibrate_reference.py's step (0: not measured, CUDA)
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,7 @@ class Calibration:
     comm_overlap: float | None = None  # measured; None: copied from links_from
     # one fit per (collective, group size) measured inside a node: the intra link's per_collective rows
     per_collective: tuple[LinkFit, ...] = ()
+    reference: EfficiencyFit | None = None  # the efficiency fitted to the reference step (CPU)
 
 
 # ------------------------------------------------------------------------------ fitting
@@ -320,14 +326,17 @@ def _build(measured: dict[str, Any], backend: str, name: str | None, links_from:
         softmax_bytes_per_s=dev.softmax_bytes_per_s,
         **({"backward_ratio": dev.backward_ratio} if dev.backward_ratio else {}),
         **({"host_adam_params_per_s": dev.host_adam_params_per_s} if dev.host_adam_params_per_s else {}),
-        efficiency=1.0,  # measured rates already include kernel efficiency (module docstring)
+        efficiency=1.0,  # measured rates already include kernel efficiency; CPU: fitted below
         comm_overlap=float(overlap) if overlap is not None else (base.comm_overlap if base is not None else 0.0),
         # CPU ranks share this machine's cores (the rates above are each rank's share of them)
         shared_cores=float(len(os.sched_getaffinity(0))) if dev.device == "cpu" else 0.0,
     )
+    reference = fit_efficiency(hardware, dev.reference_step_seconds) if dev.reference_step_seconds > 0 else None
+    if reference is not None:
+        hardware = dataclasses.replace(hardware, efficiency=reference.efficiency)
     return Calibration(hardware, dev, backend, int(measured["n_ranks"]), int(measured["n_nodes"]), intra, inter,
                        links_from if base is not None else None, seconds,
-                       None if overlap is None else float(overlap), per_kind)
+                       None if overlap is None else float(overlap), per_kind, reference)
 
 
 # ------------------------------------------------------------------------------ summary
@@ -375,7 +384,11 @@ def format_summary(cal: Calibration) -> str:
         f"{cal.seconds:.1f} s",
         "device (median over ranks measuring at the same time)",
         *(f"  {label:26s} {value:>18s}  {use}" for label, value, use in rows),
-        f"  devices_per_node {hw.devices_per_node}, efficiency {hw.efficiency:g} (rates are measured)",
+        f"  devices_per_node {hw.devices_per_node}, efficiency {hw.efficiency:.3g} " + (
+            "(rates are measured)" if cal.reference is None else
+            f"(fitted: the reference step, GPT {'x'.join(map(str, REFERENCE_SHAPE[:3]))}, measured "
+            f"{cal.reference.measured_s * 1e3:.1f} ms, {cal.reference.predicted_at_one_s * 1e3:.1f} ms priced at "
+            f"the kernel rates)"),
     ]
     if cal.intra is None:
         lines.append(f"links copied from {cal.links_from!r} (not measured): intra {hw.intra_node}, "

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import AutoparError
+from .calibrate_reference import time_reference_step
 from .optim.cpu_kernels import adam_step
 
 __all__ = ["CalibrationError", "measure_device", "pin_to_core", "rank_measure", "spawn_ranks"]
@@ -129,32 +130,50 @@ def _softmax_bytes_per_s(device: torch.device, sync: Callable[[], None], window_
     return 2 * x.numel() * 4 / _seconds_per_call(lambda: torch.log_softmax(x, -1, out=out), sync, window_s)
 
 
-def measure_device(device: torch.device, quick: bool, say: Callable[[str], None]) -> dict[str, Any]:
-    """This rank's device rates (see the module docstring for what each is)."""
+def measure_device(device: torch.device, quick: bool, say: Callable[[str], None],
+                   between: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """This rank's device rates (see the module docstring for what each is). ``between()`` runs
+    before each measurement: with several ranks, a barrier, so that every rank measures each
+    rate while the others measure the same one: unaligned, the ranks drift apart over the
+    measurements (one still warming up while its core-mate times), and a rank that times while
+    its core-mate idles measures up to a whole core, not the share a training step gets."""
     sync = _sync_fn(device)
     cuda = device.type == "cuda"
     window = 0.15 if quick else 0.4
     n = (4096 if quick else 8192) if cuda else (512 if quick else 1024)
+    between()
     fp32 = _matmul_flops(n, torch.float32, device, sync, window)
     say(f"matmul fp32 {n}^3: {fp32 / 1e9:,.1f} GFLOP/s")
     bf16_native = cuda and torch.cuda.is_bf16_supported()
     nb = n if bf16_native else min(n, 256)  # CPU bf16 matmul runs ~50x slower: keep it short
+    between()
     bf16 = _matmul_flops(nb, torch.bfloat16, device, sync, window)
     say(f"matmul bf16 {nb}^3: {bf16 / 1e9:,.1f} GFLOP/s")
     stream_bytes = (256 << 20 if quick else 1 << 30) if cuda else (16 << 20 if quick else 64 << 20)
+    between()
     copy, add = _stream_rates(stream_bytes, device, sync, window)
     say(f"copy {copy / 1e9:,.1f} GB/s, add {add / 1e9:,.1f} GB/s ({stream_bytes >> 20} MiB tensors)")
+    between()
     softmax = _softmax_bytes_per_s(device, sync, window)
     say(f"log-softmax {softmax / 1e9:,.2f} GB/s (input + output)")
+    between()
     adamw = _adamw_params_per_s(device, sync, window)
     say(f"AdamW step (fused): {adamw / 1e6:,.1f} M parameters/s")
+    between()
     backward = _backward_ratio(device, sync, window)
     say(f"linear layer backward / forward: {backward:.2f}")
+    between()
     host_adam = _host_adam_params_per_s(window)
     say(f"host AdamW step (ZeRO-Offload's adam_step): {host_adam / 1e6:,.1f} M parameters/s")
     one, out = torch.ones(1, device=device), torch.empty(1, device=device)
+    between()
     tiny = _seconds_per_call(lambda: torch.add(one, one, out=out), sync, window, batch=100)
     say(f"tiny op {tiny * 1e6:.1f} us")
+    # the reference training step (autopar/calibrate_reference.py): CPU profiles fit their
+    # compute efficiency to it
+    reference = 0.0 if cuda else time_reference_step(device, between, quick)
+    if reference:
+        say(f"reference training step {reference * 1e3:.1f} ms")
     if cuda:
         memory = float(torch.cuda.get_device_properties(device).total_memory)
     else:
@@ -163,7 +182,7 @@ def measure_device(device: torch.device, quick: bool, say: Callable[[str], None]
     return dict(device=name, matmul_n=n, matmul_fp32_flops=fp32, matmul_bf16_flops=bf16, bf16_native=bf16_native,
                 stream_bytes=stream_bytes, copy_bytes_per_s=copy, add_bytes_per_s=add, tiny_op_seconds=tiny,
                 memory_bytes=memory, adamw_params_per_s=adamw, softmax_bytes_per_s=softmax, backward_ratio=backward,
-                host_adam_params_per_s=host_adam)
+                host_adam_params_per_s=host_adam, reference_step_seconds=reference)
 
 
 def _time_collective(fn: Callable[[], Any], sync: Callable[[], None], group: Any, device: torch.device,
@@ -332,7 +351,7 @@ def rank_measure(rank: int, world: int, local_world: int, device: torch.device, 
 
     say(f"{world} ranks ({dist.get_backend()}), measuring the device on every rank at once")
     dist.barrier()
-    device_rates = measure_device(device, quick, say)
+    device_rates = measure_device(device, quick, say, between=dist.barrier)
     n_nodes = world // local_world if world > local_world and world % local_world == 0 else 1
     if n_nodes > 1:
         local_group, _ = dist.new_subgroups(group_size=local_world)

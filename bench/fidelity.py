@@ -14,7 +14,9 @@ rounds is the plan's step time.
 
 Oversubscription: 4 ranks share the machine's 2 cores, each pinned to one core (2 ranks per
 core, ``autopar.calibrate_measure.pin_to_core``). The profile is measured the same way (``autopar calibrate`` runs 4 ranks at once, each measuring its share),
-so the cost model prices the oversubscribed machine; nothing is rescaled afterwards.
+so the cost model prices the oversubscribed machine; the profile's compute efficiency is fitted
+there too, to a reference step of another, smaller GPT (``autopar/calibrate_reference.py``),
+never to these plans.
 
 Prints the per-plan table and the fidelity figures (Spearman of predicted vs measured step
 time, median |measured/predicted - 1|, peak memory ratios, the planner's pick vs every

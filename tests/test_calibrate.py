@@ -86,7 +86,10 @@ def test_two_gloo_ranks_calibrate_a_profile_that_plans(tmp_path, capsys, report_
     path = tmp_path / "hw.json"
     cal = calibrate(str(path), nproc=2, quick=True, progress=False)
     hw = get_hardware(str(path))
-    assert hw == cal.hardware and hw.devices_per_node == 2 and hw.efficiency == 1.0
+    assert hw == cal.hardware and hw.devices_per_node == 2
+    # CPU: the efficiency fitted to the reference step both ranks timed (autopar/calibrate_reference.py)
+    assert cal.device.reference_step_seconds > 0 and cal.reference.measured_s == cal.device.reference_step_seconds
+    assert hw.efficiency == cal.reference.efficiency and 0.2 <= hw.efficiency <= 1.0
     for field in ("peak_flops", "peak_flops_fp32", "memory_bandwidth_bytes_per_s", "memory_bytes",
                   "kernel_overhead_s", "optimizer_params_per_s", "softmax_bytes_per_s"):
         value = getattr(hw, field)
@@ -117,6 +120,31 @@ def test_two_gloo_ranks_calibrate_a_profile_that_plans(tmp_path, capsys, report_
     capsys.readouterr()
     assert main(["plan", "mlp", "--gpus", "2", "--hardware", str(path), "--quiet", "--no-baselines"]) == 0
     assert f"2 x {hw.name}" in capsys.readouterr().out
+
+
+def test_fitted_efficiency_prices_the_reference_step_as_measured():
+    """The efficiency fitted to a measured reference step, put back into the profile, makes the
+    planner price that step at the measured time; a step at or under the kernel rates' price
+    keeps 1 (rates are a ceiling), and an absurdly slow one stops at the floor."""
+    import dataclasses
+
+    from autopar.calibrate_reference import fit_efficiency, reference_model
+    from autopar.planner import plan
+
+    hw = dataclasses.replace(PROFILES["cpu"], efficiency=1.0)
+
+    def priced(efficiency):
+        model, inputs = reference_model("meta")
+        return plan(model, 1, inputs, hardware=dataclasses.replace(hw, efficiency=efficiency), strategy="dp",
+                    mixed_precision=False, baselines=False, pipeline=False, recompute="none").step_seconds
+
+    at_one = priced(1.0)
+    fit = fit_efficiency(hw, 1.6 * at_one)
+    assert fit.predicted_at_one_s == pytest.approx(at_one, rel=1e-9)
+    assert 0.2 < fit.efficiency < 1 / 1.6 + 1e-9  # the fixed per-op terms do not scale: below 1/1.6
+    assert priced(fit.efficiency) == pytest.approx(1.6 * at_one, rel=1e-6)
+    assert fit_efficiency(hw, 0.9 * at_one).efficiency == 1.0
+    assert fit_efficiency(hw, 100 * at_one).efficiency == 0.2
 
 
 @pytest.mark.parametrize("content, message", [
