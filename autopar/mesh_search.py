@@ -72,10 +72,14 @@ def solve_mesh(problem: Problem, budget: float | None, time_limit_s: float,
     A plan must be a function of its inputs (the ranks and the process that checks them plan
     alike), so only solves that reached their optimum count: a solve stopped by its wall-clock
     limit answers by how loaded the machine was, and ends the re-solving (the mesh is then
-    infeasible here, as far as this search knows)."""
+    infeasible here, as far as this search knows). The first solve and its re-solves share the
+    time limit."""
     def walked(pred: Prediction, choice: dict) -> float:  # a pipeline stage: with its micro-batches in flight
         return held_peak_bytes(problem, choice, pred)
 
+    # the first solve and its re-solves share the time limit: a mesh whose walks go over the
+    # budget cannot take several limits (GPT-3 175B on 1024, m0=128,m1=8: 337 s in all)
+    deadline = time.perf_counter() + time_limit_s
     result = first if first is not None else solve(problem, budget, time_limit_s=time_limit_s)
     pred = evaluate(problem, result.choice)
     if budget is None or walked(pred, result.choice) <= budget:
@@ -94,8 +98,11 @@ def solve_mesh(problem: Problem, budget: float | None, time_limit_s: float,
                 row = (dead_row + over_row) / 2
         if over_row - dead_row < 0.01 * budget:
             break  # the rows tried bracket the budget's within 1%
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break  # the mesh's share is spent
         try:
-            result = solve(problem, row, time_limit_s=time_limit_s)
+            result = solve(problem, row, time_limit_s=left)
         except InfeasibleBudgetError:
             walk = None
             continue
@@ -164,7 +171,7 @@ def mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: boo
             pin_error = str(exc)
             continue
         try:
-            lp = solve(problem, budget, time_limit_s=time_limit_s, relax=True)
+            lp = solve(problem, budget, time_limit_s=time_limit_s, relax=True, presolve=_presolve(zero2))
         except InfeasibleBudgetError as exc:
             need = min(need, exc.need_bytes)
             continue
@@ -181,6 +188,17 @@ def mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: boo
     return out, need, pin_error, tuple(failed)
 
 
+def _presolve(zero2: bool) -> bool:
+    """Whether a mesh's LP bound runs HiGHS's presolve. With ZeRO-2 and recompute options the LPs
+    are the large fractional ones (bounds; the plans come from ILPs, which keep presolve), and
+    they solve faster without it: its dependent-equation search over the edge rows took most of
+    their time (GPT-3 175B on 1024: m0=128,m1=2,m2=4 2.5 -> 0.7 s, m0=2,m1=16,m2=32 1.1 -> 0.5 s,
+    same optimum). Without those options the LP is often integral, its solution the plan, and
+    presolve stays: skipping it picked another of equally fast plans (ZeRO-3 on gpt-tiny, whose
+    measured step peak then missed the prediction by 17-39%: tests/test_recompute.py)."""
+    return not zero2
+
+
 def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_ilps: int = 3,
             helper: "Any" = None, zero2: bool = False) -> tuple[Solved | None, int, str]:
     """Exact search over meshes: LP bounds first, then ILPs in bound order (module doc). An
@@ -190,6 +208,7 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
     if helper is not None and (helper.zero2 != zero2 or helper.bounds_train != train):
         raise ValueError("the helper bounds meshes with other options than this search's")
     remote = helper.indices if helper is not None else frozenset()
+    search_started = time.perf_counter()
     items = [(i, mp) for i, mp in enumerate(meshes_and_pins) if i not in remote]
     bounded, infeasible_need, pin_error, failed = mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress,
                                                               zero2)
@@ -202,6 +221,7 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
     if not bounded and pin_error and not math.isfinite(infeasible_need) and not failed:
         raise PinError(pin_error)
     bounded.sort(key=lambda b: (b.objective, b.index))
+    bounds_seconds = time.perf_counter() - search_started
     best: Solved | None = None
     solved, ilp_seconds = 0, 0.0
     bound = math.inf  # min over meshes of a valid lower bound on their plans (module doc)
@@ -215,14 +235,18 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
         # The ILPs share the time limit, each at most its 1/max_ilps share: the next starts only
         # while its share still fits (max_ilps ILPs that use theirs; more where they end sooner:
         # 7.5B GPT on 128, the fourth, m0=16,m1=8, was the best plan and 1.6 s away)
-        if solved >= max_ilps and ilp_seconds + time_limit_s / max_ilps > time_limit_s:
+        # Once a plan exists, the time limit is the whole search's: the bounds' time counts, and
+        # so do ILPs that found no plan within the budget (GPT-3 175B on 1024: uncounted, they
+        # took the ILPs to 374 s of a 60 s limit, after 53 s of bounds)
+        spent = bounds_seconds + ilp_seconds
+        if (solved >= max_ilps or best is not None) and spent + time_limit_s / max_ilps > time_limit_s:
             bound = min(bound, b.objective)
-            note = (f"mesh search stopped after {solved} ILPs ({ilp_seconds:.0f} s); unsolved meshes have lower "
-                    f"bounds from {b.objective * 1e3:.3f} ms (a bound, not a plan)")
+            note = (f"mesh search stopped after {solved} ILPs ({spent:.0f} s with the bounds); unsolved meshes "
+                    f"have lower bounds from {b.objective * 1e3:.3f} ms (a bound, not a plan)")
             break
         if b.problem is None:  # bounded by the helper: build it here (same inputs, same problem)
             b.problem = prepare_problem(gm, mesh, hw, train, pin, zero2)
-            b.lp = solve(b.problem, budget, time_limit_s=time_limit_s, relax=True)
+            b.lp = solve(b.problem, budget, time_limit_s=time_limit_s, relax=True, presolve=_presolve(zero2))
         problem, lp = b.problem, b.lp
         started = time.perf_counter()
         try:
@@ -233,6 +257,9 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
                 s = solve_mesh(problem, budget, time_limit_s / max_ilps)
         except InfeasibleBudgetError as exc:
             infeasible_need = min(infeasible_need, exc.need_bytes)
+            # its LP bound still counts: re-solves stopped by the clock prove no infeasibility
+            bound = min(bound, b.objective)
+            progress(f"mesh {mesh}: no plan found within the budget ({format_bytes(exc.need_bytes)} the least)")
             continue
         except AutoparError:  # the time limit hit before any plan: the mesh keeps its LP bound
             s = rounded_lp(mesh, problem, lp, budget)

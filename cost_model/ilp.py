@@ -295,7 +295,7 @@ def _new_highs(highspy):
     return h
 
 
-def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False
+def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False, presolve: bool = True
                  ) -> tuple[str, np.ndarray | None, float, float, np.ndarray | None]:
     import highspy
 
@@ -304,6 +304,8 @@ def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("threads", 1)
     h.setOptionValue("mip_rel_gap", 1e-4)
+    if not presolve:
+        h.setOptionValue("presolve", "off")
     n = len(m.cost)
     inf = highspy.kHighsInf
     h.addCols(n, np.asarray(m.cost), np.zeros(n), np.asarray(m.upper), 0, np.array([], dtype=np.int32),
@@ -332,7 +334,7 @@ def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False
     return ("Optimal" if status == "Optimal" else status), values, objective, min(bound, objective), duals
 
 
-def _solve_cbc(m: _Model, time_limit_s: float, relax: bool = False
+def _solve_cbc(m: _Model, time_limit_s: float, relax: bool = False, presolve: bool = True
                ) -> tuple[str, np.ndarray | None, float, float, np.ndarray | None]:
     import pulp
 
@@ -368,10 +370,12 @@ def _solve_cbc(m: _Model, time_limit_s: float, relax: bool = False
 
 
 def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: str = "highs",
-          time_limit_s: float = 60.0, relax: bool = False) -> SolveResult:
+          time_limit_s: float = 60.0, relax: bool = False, presolve: bool = True) -> SolveResult:
     """Choose one option per decision minimizing step time under the budget (module doc).
     ``relax=True`` solves the LP relaxation only: its objective bounds every plan from below,
-    and when its solution is integral (``result.integral``) it is the ILP's optimum."""
+    and when its solution is integral (``result.integral``) it is the ILP's optimum.
+    ``presolve=False`` skips HiGHS's presolve: the same optimum, another optimal vertex where
+    several tie (so another plan of equal objective where the LP is integral)."""
     t0 = time.perf_counter()
     problem = ilp_problem(problem)  # a pipeline stage weighs a step of m micro-batches (stage_weights.py)
     if memory_budget_bytes is not None and (need := min_memory_bytes(problem)) > memory_budget_bytes:
@@ -397,7 +401,7 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     result, used, errors = None, None, []
     for name in order:
         try:
-            result = backends[name](m, time_limit_s, relax)
+            result = backends[name](m, time_limit_s, relax, presolve)
             used = name
             break
         except ImportError as exc:  # highspy missing: CBC takes over

@@ -184,3 +184,109 @@ def test_mesh_search_ilps_share_the_time_limit_by_time_not_by_count(monkeypatch)
     assert solved == 3 and "stopped after 3 ILPs" in note, (solved, note)
     best, solved, note = run(13.0)  # 3 x 13 s + a 20-s share <= 60 s: a fourth starts, then no fifth
     assert solved == 4, (solved, note)
+
+
+def test_ilps_that_find_no_plan_within_the_budget_spend_the_time_limit_too(monkeypatch):
+    # GPT-3 175B on 1024: after two plans, six meshes' ILPs ended with walks over the budget; they
+    # were not counted, so ILPs went on far past the time limit (374 s of a 60 s limit). Here
+    # the first mesh plans, every other one takes its whole share and finds nothing that fits.
+    # Their LP bounds still count: re-solves stopped by the clock prove no infeasibility.
+    import types
+
+    import autopar.mesh_search as mesh_search
+
+    clock = [0.0]
+    monkeypatch.setattr(mesh_search, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    meshes = [(f"mesh{i}", None) for i in range(8)]
+    lp = types.SimpleNamespace(integral=False, objective_s=0.0, choice={})
+
+    def bounds(gm, items, *args, **kwargs):
+        return [mesh_search.Bound(i, 1e-3 * (i + 1), False, problem=object(), lp=lp) for i, _ in items], math.inf, "", ()
+
+    def solve_mesh(problem, budget, time_limit_s, first=None):
+        clock[0] += time_limit_s
+        if clock[0] > time_limit_s:  # every mesh after the first
+            raise InfeasibleBudgetError("over the budget once walked", 2.0)
+        result = types.SimpleNamespace(lower_bound_s=0.5e-3, status="Time limit reached", seconds=time_limit_s)
+        return mesh_search.Solved("m", problem, result, types.SimpleNamespace(step_seconds=1.0, peak_memory_bytes=0.0))
+
+    monkeypatch.setattr(mesh_search, "mesh_bounds", bounds)
+    monkeypatch.setattr(mesh_search, "solve_mesh", solve_mesh)
+    best, solved, note = mesh_search.search_meshes(None, meshes, None, None, 1.0, 60.0, mesh_search.QUIET, max_ilps=3)
+    assert clock[0] <= 60.0, clock[0]  # three shares, not eight
+    assert solved == 1 and "stopped after 1 ILPs" in note, (solved, note)
+    assert best.search_bound == pytest.approx(0.5e-3)
+
+
+def test_a_meshs_re_solves_share_its_time_limit(monkeypatch):
+    # a plan whose walk goes over the budget is solved again with a tighter row; each re-solve
+    # had the whole limit (GPT-3 175B on m0=128,m1=8: 337 s of re-solves at a 20 s share)
+    import types
+
+    import autopar.mesh_search as mesh_search
+
+    clock = [0.0]
+    monkeypatch.setattr(mesh_search, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    limits = []
+
+    def solve(problem, budget, time_limit_s):
+        limits.append(time_limit_s)
+        clock[0] += 0.4 * time_limit_s
+        return types.SimpleNamespace(choice={}, status="Optimal", lower_bound_s=1.0)
+
+    monkeypatch.setattr(mesh_search, "solve", solve)
+    monkeypatch.setattr(mesh_search, "evaluate", lambda problem, choice: None)
+    walks = iter([1.5, 1.2, 1.1, 1.05, 1.01, 1.001])
+    monkeypatch.setattr(mesh_search, "held_peak_bytes", lambda problem, choice, pred: next(walks) * 100.0)
+    problem = types.SimpleNamespace(mesh="m")
+    with pytest.raises(InfeasibleBudgetError):
+        mesh_search.solve_mesh(problem, 100.0, 10.0)
+    assert len(limits) > 1 and clock[0] <= 10.0 + 1e-9, (limits, clock[0])  # each had 10 s: 20 s in all
+
+
+def test_the_bounds_time_counts_against_the_time_limit_once_a_plan_exists(monkeypatch):
+    # the time limit is the whole mesh search's: after bounds that took 30 s of a 60 s limit and a
+    # first plan in a 20-s ILP, no other 20-s share fits (counting ILPs alone, three ran; GPT-3
+    # 175B on 1024 spent 53 s on bounds)
+    import types
+
+    import autopar.mesh_search as mesh_search
+
+    clock = [0.0]
+    monkeypatch.setattr(mesh_search, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    meshes = [(f"mesh{i}", None) for i in range(6)]
+    lp = types.SimpleNamespace(integral=False, objective_s=0.0)
+
+    def bounds(gm, items, *args, **kwargs):
+        clock[0] += 30.0
+        return [mesh_search.Bound(i, 1e-3 * (i + 1), False, problem=object(), lp=lp) for i, _ in items], math.inf, "", ()
+
+    def solve_mesh(problem, budget, time_limit_s, first=None):
+        clock[0] += time_limit_s
+        result = types.SimpleNamespace(lower_bound_s=0.0, status="Time limit reached", seconds=time_limit_s)
+        return mesh_search.Solved("m", problem, result, types.SimpleNamespace(step_seconds=1.0, peak_memory_bytes=0.0))
+
+    monkeypatch.setattr(mesh_search, "mesh_bounds", bounds)
+    monkeypatch.setattr(mesh_search, "solve_mesh", solve_mesh)
+    best, solved, note = mesh_search.search_meshes(None, meshes, None, None, None, 60.0, mesh_search.QUIET, max_ilps=3)
+    assert solved == 1 and "stopped after 1 ILPs (50 s with the bounds)" in note, (solved, note)
+
+
+def test_only_the_options_pass_bounds_meshes_without_presolve(monkeypatch):
+    # presolve off is 2-3.5x faster on GPT-3 175B's LP bounds (ZeRO-2 and recompute options), but
+    # where the LP is integral its vertex is the plan, and skipping presolve picks another tie
+    import types
+
+    import autopar.mesh_search as mesh_search
+
+    asked = []
+
+    def solve(problem, budget, time_limit_s, relax=False, presolve=True):
+        asked.append(presolve)
+        raise InfeasibleBudgetError("no plan", 1.0)
+
+    monkeypatch.setattr(mesh_search, "prepare_problem", lambda *a, **kw: types.SimpleNamespace())
+    monkeypatch.setattr(mesh_search, "solve", solve)
+    for zero2 in (False, True):
+        mesh_search.mesh_bounds(None, [(0, ("m", None))], HW, TRAIN, 1.0, 60.0, mesh_search.QUIET, zero2)
+    assert asked == [True, False]
