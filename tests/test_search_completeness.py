@@ -151,33 +151,48 @@ def test_the_reported_bound_holds_for_zero2_options_when_their_pass_does_not_run
     assert got.step_seconds <= want * (1 + 1e-4) + got.solver.gap * got.step_seconds
 
 
-def test_mesh_search_ilps_share_the_time_limit_by_time_not_by_count(monkeypatch):
-    # Past max_ilps ILPs the next one starts while its 1/max_ilps share still fits in the time
-    # limit (7.5B GPT on 128: the fourth ILP was the best plan, 1.6 s away); a count rule stops
-    # at max_ilps whatever they took. Six meshes whose bounds all beat every plan found.
+def _fake_mesh_search(monkeypatch, n_meshes, bounds_seconds=0.0):
+    """``autopar.mesh_search`` on a fake clock, its LP bounds faked: ``n_meshes`` meshes whose
+    bounds (ascending, every one below every plan) take ``bounds_seconds``. Returns the module,
+    the clock (a one-item list) and the meshes; each test fakes ``solve_mesh`` as it needs."""
     import types
 
     import autopar.mesh_search as mesh_search
 
     clock = [0.0]
     monkeypatch.setattr(mesh_search, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    meshes = [(f"mesh{i}", None) for i in range(6)]
-    lp = types.SimpleNamespace(integral=False, objective_s=0.0)
+    lp = types.SimpleNamespace(integral=False, objective_s=0.0, choice={})
 
     def bounds(gm, items, *args, **kwargs):
+        clock[0] += bounds_seconds
         return [mesh_search.Bound(i, 1e-3 * (i + 1), False, problem=object(), lp=lp) for i, _ in items], math.inf, "", ()
+
+    monkeypatch.setattr(mesh_search, "mesh_bounds", bounds)
+    return mesh_search, clock, [(f"mesh{i}", None) for i in range(n_meshes)]
+
+
+def _solved(mesh_search, problem, seconds, status="Optimal", lower_bound_s=0.0):
+    """A mesh_search.Solved plan of step 1 s, as a faked solve_mesh returns it."""
+    import types
+
+    result = types.SimpleNamespace(lower_bound_s=lower_bound_s, status=status, seconds=seconds)
+    return mesh_search.Solved("m", problem, result, types.SimpleNamespace(step_seconds=1.0, peak_memory_bytes=0.0))
+
+
+def test_mesh_search_ilps_share_the_time_limit_by_time_not_by_count(monkeypatch):
+    # Past max_ilps ILPs the next one starts while its 1/max_ilps share still fits in the time
+    # limit (7.5B GPT on 128: the fourth ILP was the best plan, 1.6 s away); a count rule stops
+    # at max_ilps whatever they took. Six meshes whose bounds all beat every plan found.
+    mesh_search, clock, meshes = _fake_mesh_search(monkeypatch, 6)
 
     def run(ilp_seconds):
         def solve_mesh(problem, budget, time_limit_s, first=None):
             clock[0] += ilp_seconds
-            result = types.SimpleNamespace(lower_bound_s=0.0, status="Optimal", seconds=ilp_seconds)
-            return mesh_search.Solved("m", problem, result, types.SimpleNamespace(step_seconds=1.0,
-                                                                                 peak_memory_bytes=0.0))
+            return _solved(mesh_search, problem, ilp_seconds)
 
         monkeypatch.setattr(mesh_search, "solve_mesh", solve_mesh)
         return mesh_search.search_meshes(None, meshes, None, None, None, 60.0, mesh_search.QUIET, max_ilps=3)
 
-    monkeypatch.setattr(mesh_search, "mesh_bounds", bounds)
     best, solved, note = run(0.5)  # quick ILPs: all six fit in the limit
     assert solved == 6 and "stopped" not in note, (solved, note)
     best, solved, note = run(20.0)  # each takes its whole share: three, then the limit is spent
@@ -191,26 +206,14 @@ def test_ilps_that_find_no_plan_within_the_budget_spend_the_time_limit_too(monke
     # were not counted, so ILPs went on far past the time limit (374 s of a 60 s limit). Here
     # the first mesh plans, every other one takes its whole share and finds nothing that fits.
     # Their LP bounds still count: re-solves stopped by the clock prove no infeasibility.
-    import types
-
-    import autopar.mesh_search as mesh_search
-
-    clock = [0.0]
-    monkeypatch.setattr(mesh_search, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    meshes = [(f"mesh{i}", None) for i in range(8)]
-    lp = types.SimpleNamespace(integral=False, objective_s=0.0, choice={})
-
-    def bounds(gm, items, *args, **kwargs):
-        return [mesh_search.Bound(i, 1e-3 * (i + 1), False, problem=object(), lp=lp) for i, _ in items], math.inf, "", ()
+    mesh_search, clock, meshes = _fake_mesh_search(monkeypatch, 8)
 
     def solve_mesh(problem, budget, time_limit_s, first=None):
         clock[0] += time_limit_s
         if clock[0] > time_limit_s:  # every mesh after the first
             raise InfeasibleBudgetError("over the budget once walked", 2.0)
-        result = types.SimpleNamespace(lower_bound_s=0.5e-3, status="Time limit reached", seconds=time_limit_s)
-        return mesh_search.Solved("m", problem, result, types.SimpleNamespace(step_seconds=1.0, peak_memory_bytes=0.0))
+        return _solved(mesh_search, problem, time_limit_s, "Time limit reached", lower_bound_s=0.5e-3)
 
-    monkeypatch.setattr(mesh_search, "mesh_bounds", bounds)
     monkeypatch.setattr(mesh_search, "solve_mesh", solve_mesh)
     best, solved, note = mesh_search.search_meshes(None, meshes, None, None, 1.0, 60.0, mesh_search.QUIET, max_ilps=3)
     assert clock[0] <= 60.0, clock[0]  # three shares, not eight
@@ -248,25 +251,12 @@ def test_the_bounds_time_counts_against_the_time_limit_once_a_plan_exists(monkey
     # the time limit is the whole mesh search's: after bounds that took 30 s of a 60 s limit and a
     # first plan in a 20-s ILP, no other 20-s share fits (counting ILPs alone, three ran; GPT-3
     # 175B on 1024 spent 53 s on bounds)
-    import types
-
-    import autopar.mesh_search as mesh_search
-
-    clock = [0.0]
-    monkeypatch.setattr(mesh_search, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    meshes = [(f"mesh{i}", None) for i in range(6)]
-    lp = types.SimpleNamespace(integral=False, objective_s=0.0)
-
-    def bounds(gm, items, *args, **kwargs):
-        clock[0] += 30.0
-        return [mesh_search.Bound(i, 1e-3 * (i + 1), False, problem=object(), lp=lp) for i, _ in items], math.inf, "", ()
+    mesh_search, clock, meshes = _fake_mesh_search(monkeypatch, 6, bounds_seconds=30.0)
 
     def solve_mesh(problem, budget, time_limit_s, first=None):
         clock[0] += time_limit_s
-        result = types.SimpleNamespace(lower_bound_s=0.0, status="Time limit reached", seconds=time_limit_s)
-        return mesh_search.Solved("m", problem, result, types.SimpleNamespace(step_seconds=1.0, peak_memory_bytes=0.0))
+        return _solved(mesh_search, problem, time_limit_s, "Time limit reached")
 
-    monkeypatch.setattr(mesh_search, "mesh_bounds", bounds)
     monkeypatch.setattr(mesh_search, "solve_mesh", solve_mesh)
     best, solved, note = mesh_search.search_meshes(None, meshes, None, None, None, 60.0, mesh_search.QUIET, max_ilps=3)
     assert solved == 1 and "stopped after 1 ILPs (50 s with the bounds)" in note, (solved, note)
