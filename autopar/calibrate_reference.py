@@ -81,12 +81,14 @@ def fit_efficiency(hardware, measured_s: float) -> EfficiencyFit:
     """The efficiency under which ``hardware`` prices the reference step at ``measured_s``
     (module docstring); ``hardware`` as calibrated, its efficiency ignored."""
     from .planner import plan
+    from .trace import trace
+
+    gm = trace(*reference_model("meta"), stack_traces=False)  # traced once, priced twice
 
     def predicted(efficiency: float) -> float:
-        model, inputs = reference_model("meta")
         hw = dataclasses.replace(hardware, efficiency=efficiency)
-        p = plan(model, 1, inputs, hardware=hw, strategy="dp", mixed_precision=False, baselines=False,
-                 pipeline=False, recompute="none")
+        p = plan(gm, 1, hardware=hw, strategy="dp", mixed_precision=False, baselines=False, pipeline=False,
+                 recompute="none")
         return p.step_seconds
 
     at_one, at_half = predicted(1.0), predicted(0.5)

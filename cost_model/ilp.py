@@ -336,6 +336,7 @@ def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False, presolve: 
 
 def _solve_cbc(m: _Model, time_limit_s: float, relax: bool = False, presolve: bool = True
                ) -> tuple[str, np.ndarray | None, float, float, np.ndarray | None]:
+    # ``presolve`` is HiGHS's option (``solve``'s doc); CBC takes it for the common signature and ignores it
     import pulp
 
     def build(relax: bool):
