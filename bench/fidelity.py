@@ -128,6 +128,7 @@ def _rank(rank: int, port: int, names: list[str], quick: bool, hardware: str, ro
     from runtime_vs_baselines import FULL, QUICK, build_model
 
     from autopar.calibrate_measure import pin_to_core
+    from autopar.calibrate_reference import reference_model
     from autopar.plan import Plan
     from autopar.runtime.offload import make_optimizer
     from autopar.runtime.parallel_module import parallelize
@@ -165,7 +166,14 @@ def _rank(rank: int, port: int, names: list[str], quick: bool, hardware: str, ro
             records[name] = dict(plan=name, ok=False, error=f"{type(exc).__name__}: {exc}",
                                  traceback=traceback.format_exc()[-2000:])
         dist.barrier()
+    # calibrate's reference step (not a plan: no figure counts it) in the same rounds, each rank
+    # alone as calibrate timed it: did the machine run as fast in the rounds as at calibration?
+    ref_model, ref_inputs = reference_model()
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, fused=True)
+    for _ in range(2):
+        _train_step(ref_model, ref_opt, ref_inputs)
     times: dict[str, list[float]] = {n: [] for n in runs}
+    ref_times: list[float] = []
     sent: dict[str, dict] = {}
     for k in range(rounds):
         _say(f"round {k + 1} of {rounds}")
@@ -175,6 +183,12 @@ def _rank(rank: int, port: int, names: list[str], quick: bool, hardware: str, ro
             _, sent[name] = _train_step(module, opt, inputs)
             dist.barrier()
             times[name].append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        _train_step(ref_model, ref_opt, ref_inputs)
+        ref_times.append(time.perf_counter() - t0)
+    mine_ref = [None] * WORLD
+    dist.all_gather_object(mine_ref, statistics.median(ref_times))
     mine = {n: dict(peak=r.get("peak_bytes"), sent=sent.get(n)) for n, r in records.items()}
     everyone = [None] * WORLD
     dist.all_gather_object(everyone, mine)
@@ -185,8 +199,10 @@ def _rank(rank: int, port: int, names: list[str], quick: bool, hardware: str, ro
                          peak_bytes_per_rank=[e[name]["peak"] for e in everyone],
                          sent_per_rank=[e[name]["sent"] for e in everyone])
                 r.pop("peak_bytes")
+        # like calibrate: the median over ranks of each rank's median step
+        reference = dict(measured_step_s=statistics.median(mine_ref), per_rank_s=mine_ref)
         with open(out, "w") as f:
-            json.dump([records[n] for n in chosen], f, indent=1, default=str)
+            json.dump(dict(records=[records[n] for n in chosen], reference=reference), f, indent=1, default=str)
     dist.destroy_process_group()
 
 
@@ -198,7 +214,8 @@ def calibrated_profile(out_dir: str) -> str:
     return path
 
 
-def run(names: list[str], quick: bool, hardware: str, rounds: int) -> list[dict]:
+def run(names: list[str], quick: bool, hardware: str, rounds: int) -> tuple[list[dict], dict]:
+    """(per-plan records, calibrate's reference step as timed in the same rounds)."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -209,7 +226,29 @@ def run(names: list[str], quick: bool, hardware: str, rounds: int) -> list[dict]
         out = os.path.join(tmp, "fidelity.json")
         mp.spawn(_rank, args=(_free_port(), names, quick, hardware, rounds, out), nprocs=WORLD)
         with open(out) as f:
-            return json.load(f)
+            got = json.load(f)
+        return got["records"], got["reference"]
+
+
+def reference_drift(hardware: str, reference: dict) -> dict:
+    """Calibrate's reference step priced with the profile (= what calibrate measured: the
+    profile's efficiency is fitted to it) against the same step timed in the bench's rounds. A
+    ratio away from 1 is the machine running at another speed than at calibration, which every
+    plan's ratio carries too."""
+    from autopar.calibrate_reference import reference_model
+    from autopar.cost_model.hardware import get_hardware
+    from autopar.planner import plan
+
+    model, inputs = reference_model("meta")
+    predicted = plan(model, 1, inputs, hardware=get_hardware(hardware), strategy="dp", mixed_precision=False,
+                     baselines=False, pipeline=False, recompute="none").step_seconds
+    return dict(reference, predicted_step_s=predicted, ratio=reference["measured_step_s"] / predicted)
+
+
+def print_drift(drift: dict) -> None:
+    print(f"calibrate's reference step (not a plan), timed in the same rounds: {drift['measured_step_s'] * 1e3:.1f} ms "
+          f"vs {drift['predicted_step_s'] * 1e3:.1f} ms priced (= as calibrated): {drift['ratio']:.2f}x; a ratio "
+          "away from 1 is the machine's speed since calibration, in every plan's ratio too")
 
 
 def main() -> None:
@@ -229,15 +268,17 @@ def main() -> None:
     load0 = os.getloadavg()
     if args.quick and "pp4" in args.plans:  # the quick model has 2 blocks: no 4 stages
         args.plans.remove("pp4")
-    records = run(args.plans, args.quick, hardware, args.rounds or (2 if args.quick else 7))
+    records, reference = run(args.plans, args.quick, hardware, args.rounds or (2 if args.quick else 7))
     figures = plan_fidelity(records)
     print_plan_fidelity(records, figures, hardware)
+    drift = reference_drift(hardware, reference)
+    print_drift(drift)
     wall = time.perf_counter() - t0
     print(f"wall time {wall:.0f} s; 1-min load average {load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
           f"({os.cpu_count()} CPUs; 4 ranks = 2 per core when the machine is otherwise idle)")
     with open(args.json, "w") as f:
         json.dump(dict(hardware=hardware, profile=json.load(open(hardware)) if os.path.isfile(hardware) else hardware,
-                       records=records, figures=figures, wall_s=wall, load_start=load0, load_end=os.getloadavg()),
+                       records=records, figures=figures, reference_drift=drift, wall_s=wall, load_start=load0, load_end=os.getloadavg()),
                   f, indent=1, default=str)
 
 

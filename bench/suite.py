@@ -217,10 +217,12 @@ def main() -> None:
     if "fidelity" not in args.skip:
         names = [n for n, _ in fidelity.PLANS if not (args.quick and n == "pp4")]  # --quick: 2 blocks
         _log(f"fidelity: {len(names)} plans, one 4-rank launch, round-robin")
-        records = fidelity.run(names, args.quick, hardware, 2 if args.quick else 7)
-        results["fidelity_plans"] = dict(records=records, figures=plan_fidelity(records))
+        records, reference = fidelity.run(names, args.quick, hardware, 2 if args.quick else 7)
+        drift = fidelity.reference_drift(hardware, reference)
+        results["fidelity_plans"] = dict(records=records, figures=plan_fidelity(records), reference_drift=drift)
         print()
         print_plan_fidelity(records, results["fidelity_plans"]["figures"], hardware)
+        fidelity.print_drift(drift)
     if "scaling" not in args.skip:
         budget = args.scaling_budget if args.scaling_budget is not None else (45 if args.quick else 240)
         results["scaling"] = run_scaling(args.quick, budget, 45 if args.quick else 120)
