@@ -336,7 +336,7 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
         best, n_solved, note, error = None, 0, "", exc
     held = math.inf if best is None else held_peak_bytes(best.problem, best.result.choice, best.prediction)
     if (best is not None and held <= 0.9 * budget and not best.tight_elsewhere
-            and best.options_bound == best.options_bound):
+            and best.options_bound == best.options_bound and not _options_may_win(best, held, budget, candidates)):
         # Memory is not tight on any mesh. ZeRO-2 could still shorten the optimizer step a little;
         # its ILP is too slow to try every time (6 s for gpt2 on one mesh), and the zero2
         # baseline catches the cases where it is faster (plan() never returns a slower plan).
@@ -348,8 +348,10 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
     # faster layouts, so the first pass's bounds do not bound that mesh's plans (a 7.5B GPT on
     # 128 A100s: m0=16,m1=2,m2=4 fit loosely, while dp=32,tp=4 with recompute is faster).
     # Every mesh is bounded again with them: the second pass's bounds hold for both passes.
-    why = "the best plan" if best is None or held > 0.9 * budget else "some meshes"
-    progress(f"memory is tight for {why}: searching again with ZeRO-2 (split gradients and optimizer "
+    why = ("memory is tight for the best plan" if best is None or held > 0.9 * budget else
+           "the options may reach a faster plan on this mesh" if len(candidates) == 1 else
+           "memory is tight for some meshes")
+    progress(f"{why}: searching again with ZeRO-2 (split gradients and optimizer "
                         "state)" + (" and activation recompute" if train.recompute == "auto" else ""))
     try:
         again, n_again, note_again = run(True, helper_again() if helper_again is not None else None, candidates)
@@ -368,6 +370,27 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
     best.search_bound = min(best.search_bound, again.search_bound)
     best.unbounded += again.unbounded
     return best, n_solved + n_again, note + " (bounds with ZeRO-2 and recompute options)"
+
+
+# A single mesh's plan using over this share of the budget, whose options bound is lower by
+# more than this share of its step, is planned again with ZeRO-2 and recompute options
+# (``_options_may_win``).
+_OPTIONS_MEMORY_SHARE, _OPTIONS_GAP = 0.5, 0.1
+
+
+def _options_may_win(best: Solved, held: float, budget: float, candidates) -> bool:
+    """Whether a pinned mesh (one candidate) gets the second pass although its memory is not
+    tight: its plan holds over half the budget and the first pass's options bound is more than
+    10% under its step, so ZeRO-2 or recompute may well buy a faster plan on that mesh (a 7.5B
+    GPT on 128 A100s pinned to dp=16,tp=8: 2896.6 ms at 87% of the budget, bound 1865.9 ms;
+    auto found 2184.3 ms on the same mesh with the options). One mesh's second pass is one LP
+    and at most one ILP; over every mesh of a free search it would double the search, and
+    there the baselines (zero2 among them) and ``tight_elsewhere`` already decide. Pipeline
+    stages (``problem.stage``) keep one pass: the pipeline search plans many of them (each
+    stage of each candidate split), and a second pass each would multiply its time."""
+    if len(candidates) != 1 or best.problem.stage is not None or held <= _OPTIONS_MEMORY_SHARE * budget:
+        return False
+    return best.options_bound < (1.0 - _OPTIONS_GAP) * best.prediction.step_seconds
 
 
 def _widened(best: Solved) -> Solved:
