@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -428,12 +427,6 @@ def _spawned_rank(rank: int, world: int, init_method: str, backend: str, quick: 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_ranks(nproc: int, backend: str, quick: bool, t0: float, progress: bool) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
@@ -442,8 +435,11 @@ def spawn_ranks(nproc: int, backend: str, quick: bool, t0: float, progress: bool
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # read by each rank's OpenMP at start-up; they share the cores
         try:
-            mp.spawn(_spawned_rank, args=(nproc, f"tcp://127.0.0.1:{_free_port()}", backend, quick, t0, progress,
-                                            result_path),
+            # A file rendezvous, not a TCP port picked free beforehand: another job's gloo ranks
+            # (a concurrent test launch) can take that port before rank 0 binds it, and a rank
+            # that then talks to the wrong listener dies (CI saw a calibration rank SIGABRT).
+            store = "file://" + os.path.join(tmp, "rendezvous")
+            mp.spawn(_spawned_rank, args=(nproc, store, backend, quick, t0, progress, result_path),
                      nprocs=nproc, join=True)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             last = str(exc).strip().splitlines()[-1]
