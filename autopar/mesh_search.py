@@ -155,6 +155,9 @@ class Bound:
     tight: bool = False  # the LP's rounded plan needs over 90% of the budget: memory may bind
     # first pass only: a bound on this mesh's plans with ZeRO-2 and recompute options too
     options_bound: float = math.nan
+    # the step of the LP solution rounded to a plan (each decision's largest option) where that
+    # plan fits the budget, else NaN: search_meshes solves the best such mesh's ILP first
+    rounded_s: float = math.nan
 
 
 def mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: bool = False
@@ -180,9 +183,11 @@ def mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress, zero2: boo
             failed.append(str(mesh))
             continue
         pred = evaluate(problem, lp.choice)  # a pipeline stage: with its micro-batches in flight
-        tight = budget is not None and held_peak_bytes(problem, lp.choice, pred) > 0.9 * budget
+        held = held_peak_bytes(problem, lp.choice, pred)
+        tight = budget is not None and held > 0.9 * budget
+        rounded = pred.step_seconds if budget is None or held <= budget else math.nan
         wider = math.nan if zero2 else options_bound(problem, lp, hw)
-        out.append(Bound(index, lp.objective_s, lp.integral, problem, lp, tight, wider))
+        out.append(Bound(index, lp.objective_s, lp.integral, problem, lp, tight, wider, rounded))
         progress(f"mesh {mesh}: lower bound {lp.objective_s * 1e3:.3f} ms ({problem.n_variables()} vars"
                             f"{', integral' if lp.integral else ''})")
     return out, need, pin_error, tuple(failed)
@@ -221,6 +226,7 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
     if not bounded and pin_error and not math.isfinite(infeasible_need) and not failed:
         raise PinError(pin_error)
     bounded.sort(key=lambda b: (b.objective, b.index))
+    _dive_first(bounded)
     bounds_seconds = time.perf_counter() - search_started
     best: Solved | None = None
     solved, ilp_seconds = 0, 0.0
@@ -230,7 +236,7 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
     for k, b in enumerate(bounded):
         mesh, pin = meshes_and_pins[b.index]
         if best is not None and b.objective >= best.prediction.step_seconds * (1 - 1e-9):
-            bound = min(bound, b.objective)  # the list is sorted: no later mesh is lower
+            bound = min(bound, b.objective)  # sorted after the first (_dive_first): no later mesh is lower
             break  # no plan on this or any later mesh can beat the best one
         # The ILPs share the time limit, each at most its 1/max_ilps share: the next starts only
         # while its share still fits (max_ilps ILPs that use theirs; more where they end sooner:
@@ -298,6 +304,23 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
         wider = [b.options_bound for b in bounded]
         best.options_bound = min(wider) if wider and all(w == w for w in wider) else math.nan
     return best, solved, note
+
+
+def _dive_first(bounded: list[Bound]) -> None:
+    """Move the mesh whose rounded LP plan is fastest to the front of the ILP order, where it
+    beats the first mesh's (or the first one's does not fit): best-first by bound proves the
+    plan, but under the time limit the search also needs a good plan early, and a mesh whose LP
+    already rounds to a fast plan is the likeliest to give one in its ILP. A 7.5B GPT on 128
+    A100s: the lowest bounds were 3-axis meshes (2157-2161 ms) whose ILPs planned 2199-2321 ms
+    in 9-16 s each, and the time limit stopped the search before m0=16,m1=8 (bound 2186.7 ms,
+    its LP rounds to 2184.5 ms, its ILP 2184.3 ms in under 2 s). The rest stay in bound order,
+    so the search's stopping rule and reported bound are unchanged."""
+    if len(bounded) < 2:
+        return
+    steps = [b.rounded_s if b.rounded_s == b.rounded_s else math.inf for b in bounded]  # NaN: over the budget
+    k = min(range(len(bounded)), key=lambda i: (steps[i], i))
+    if steps[k] < steps[0]:
+        bounded.insert(0, bounded.pop(k))
 
 
 def rounded_lp(mesh, problem, lp: SolveResult, budget) -> "Solved | None":

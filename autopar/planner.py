@@ -262,8 +262,8 @@ _FORKED: tuple | None = None
 def _helper_work(with_baselines: bool) -> tuple[list[Bound], float, str, list[BaselineResult]]:
     gm, items, hw, train, budget, time_limit_s, progress, n_gpus, zero2, bounds_train = _FORKED
     bounds, need, pin_error, failed = mesh_bounds(gm, items, hw, bounds_train, budget, time_limit_s, progress, zero2)
-    bounds = [Bound(b.index, b.objective, b.integral, tight=b.tight, options_bound=b.options_bound)
-              for b in bounds]  # the problems stay here
+    bounds = [Bound(b.index, b.objective, b.integral, tight=b.tight, options_bound=b.options_bound,
+                    rounded_s=b.rounded_s) for b in bounds]  # the problems stay here
     baselines = _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) if with_baselines else []
     return bounds, need, pin_error, failed, baselines
 

@@ -262,6 +262,37 @@ def test_the_bounds_time_counts_against_the_time_limit_once_a_plan_exists(monkey
     assert solved == 1 and "stopped after 1 ILPs (50 s with the bounds)" in note, (solved, note)
 
 
+def test_the_mesh_whose_lp_rounds_to_the_fastest_plan_is_solved_first(monkeypatch):
+    # Best-first by bound alone: a 7.5B GPT on 128 spent its time limit on three 3-axis meshes
+    # with the lowest bounds (plans 2199-2321 ms) and never solved m0=16,m1=8, whose LP rounded
+    # to 2184.5 ms. Here four meshes, bounds ascending, each ILP its whole 20-s share: three fit,
+    # and only the last mesh's LP rounds to a fast plan (the first three's do not fit).
+    import types
+
+    mesh_search, clock, meshes = _fake_mesh_search(monkeypatch, 4)
+    lp = types.SimpleNamespace(integral=False, objective_s=0.0, choice={})
+    rounded = [math.nan, math.nan, math.nan, 1.5]
+
+    def bounds(gm, items, *args, **kwargs):
+        return [mesh_search.Bound(i, 1e-3 * (i + 1), False, problem=i, lp=lp, rounded_s=rounded[i])
+                for i, _ in items], math.inf, "", ()
+
+    def solve_mesh(problem, budget, time_limit_s, first=None):
+        clock[0] += time_limit_s
+        result = types.SimpleNamespace(lower_bound_s=math.nan, status="Optimal", seconds=time_limit_s)
+        step = 1.4 if problem == 3 else 2.0
+        return mesh_search.Solved(f"mesh{problem}", problem, result,
+                                  types.SimpleNamespace(step_seconds=step, peak_memory_bytes=0.0))
+
+    monkeypatch.setattr(mesh_search, "mesh_bounds", bounds)
+    monkeypatch.setattr(mesh_search, "solve_mesh", solve_mesh)
+    best, solved, note = mesh_search.search_meshes(None, meshes, None, None, None, 60.0, mesh_search.QUIET, max_ilps=3)
+    assert solved == 3 and best.mesh == "mesh3" and best.prediction.step_seconds == 1.4, (best.mesh, note)
+    # the rest in bound order: meshes 0 and 1 solved, mesh 2 left with its bound in the note
+    assert "stopped after 3 ILPs" in note and "from 3.000 ms" in note, note
+    assert best.search_bound == pytest.approx(1e-3), best.search_bound
+
+
 def test_only_the_options_pass_bounds_meshes_without_presolve(monkeypatch):
     # presolve off is 2-3.5x faster on GPT-3 175B's LP bounds (ZeRO-2 and recompute options), but
     # where the LP is integral its vertex is the plan, and skipping presolve picks another tie
