@@ -14,9 +14,14 @@ Scaling to a micro-batch: a piece is priced for the whole batch on its sub-mesh;
 work on activations (compute, activation collectives, activation memory, sends) scales by 1/m,
 parameter reshards (ZeRO-3 gathers) are paid per micro-batch, and the optimizer step and the
 parameter gradient synchronizations once per step, after the pipeline drains (as Megatron-LM
-and torchtitan run them). Simplifications: the layouts inside a stage are those that are
-fastest for the whole batch with no memory limit (memory is then checked per stage under the
-budget); kernel-time floors are scaled with the batch.
+and torchtitan run them); the kernels' floors (``Part.fixed_seconds``) are paid in full by
+every micro-batch. Simplifications: the layouts inside a stage are those that are fastest for
+the whole batch with no memory limit (memory is then checked per stage under the budget), and
+the rest of the work, collective latencies included, scales with the batch. Small micro-batches
+cost more than that: gpt2-xl on dp=2,tp=8 planned at batch 8 steps 92.4 ms, at batch 2 54.9 ms
+(0.59x, not 0.25x: memory-bound kernels, other layouts), so the chosen pipeline's stage plans,
+priced at the micro-batch (``autopar.pipeline_plan``), are what decide against the plan
+without stages (gpt2-xl on 64: the search's pp=4 at 49.8 ms, its stage plans 71.5 ms).
 
 Search cost: the (stage count, sub-mesh) candidates are priced independently, part of them by
 a forked child (``autopar.forking.share_work``). Recomputed blocks are priced (one more problem
@@ -65,7 +70,7 @@ from .errors import AutoparError
 from .forking import share_work
 from .pipeline_candidates import global_batch, microbatch_counts, sub_meshes
 from .pipeline_info import PipelineInfo, PipelineStageInfo
-from .pipeline_parts import Part, boundary_bytes, split_costs
+from .pipeline_parts import Part, boundary_bytes, kernel_floor_seconds, split_costs
 from .plan import Plan
 
 __all__ = ["PipelineChoice", "search_pipeline"]
@@ -102,10 +107,14 @@ def _price_submesh(pieces, p: int, mesh: MeshSpec, n_blocks: int, hw: Hardware, 
                          optimizer=train.optimizer, mixed_precision=train.mixed_precision,
                          time_limit_s=time_limit_s, model_name="stage", pipeline=False)
 
+    def costs(plan: Plan, regathers: bool = True) -> Part:
+        return dataclasses.replace(split_costs(plan.problem, plan.choice, regathers),
+                                   fixed_seconds=kernel_floor_seconds(plan.problem, hw))
+
     try:
         mid = solve(pieces[1])  # first: where it prunes, the end pieces are never built
         send, grad = boundary_bytes(pieces[0], train)
-        floor = split_costs(mid.problem, mid.choice, regathers=False).scale(1.0 / (n_blocks - 2))
+        floor = costs(mid, regathers=False).scale(1.0 / (n_blocks - 2))
         if incumbent_s < float("inf"):
             bound = _middle_bound(floor, p, mesh, n_blocks, send, grad, batch, hw, prefix)
             if bound >= incumbent_s:
@@ -113,7 +122,7 @@ def _price_submesh(pieces, p: int, mesh: MeshSpec, n_blocks: int, hw: Hardware, 
         plans = [solve(pieces[0]), mid, solve(pieces[2])]
     except AutoparError:  # the batch does not divide on this mesh, or the like
         return None
-    first, middle, last = (split_costs(p.problem, p.choice) for p in plans)
+    first, middle, last = (costs(plan) for plan in plans)
     block = middle.scale(1.0 / (n_blocks - 2))
     nodes = tuple(n for p in plans for n in p.nodes)
     tied = sum(_weight_bytes(pieces[0], target) for target, stages in pieces.tied.items() if 2 in stages)
@@ -142,6 +151,8 @@ def _with_recompute(sub: _SubMesh, pieces, n_blocks: int, hw: Hardware, train: T
     rc_choice = {**sub.middle_choice, **{t.key: 1 for t in rc_problem.recompute}}
     transient = recompute_transient_bytes(rc_problem, rc_choice)
     block_rc = (split_costs(rc_problem, rc_choice) - Part(act_bytes=transient)).scale(1.0 / (n_blocks - 2))
+    # the same kernels' floors (the forward run again adds its own: not priced, so this stays below)
+    block_rc = dataclasses.replace(block_rc, fixed_seconds=sub.block.fixed_seconds)
     return dataclasses.replace(sub, block_rc=block_rc, transient_bytes=transient)
 
 
@@ -185,9 +196,9 @@ def _recompute_bound(sub: _SubMesh, p: int, n_blocks: int, hw: Hardware, prefix:
     for m in microbatch_counts(sub.batch, p, sub.mesh):
         sends = [(p2p_s(sub.send_bytes / m, link) if k < p - 1 else 0.0) + (p2p_s(sub.grad_bytes / m, link) if k
                                                                               else 0.0) for k in range(p)]
-        cost = [[part.batch_seconds / m + part.use_seconds + sends[k] for part in
+        cost = [[part.micro_seconds(m) + sends[k] for part in
                  (_stage_part(sub, n, k == 0, k == p - 1) for n in range(1, n_blocks - p + 2))] for k in range(p)]
-        total = whole.batch_seconds / m + whole.use_seconds + sum(sends)
+        total = whole.micro_seconds(m) + sum(sends)
         step = (m - 1) * _least_slowest(cost, p, n_blocks) + total
         best = min(best, max(m * total / p, step / hw.idle_speedup(p * sub.mesh.n_devices)) + after)
         if n_blocks % (2 * p) == 0 and m % p == 0:
@@ -232,7 +243,7 @@ def _grad_transient(sub: _SubMesh, m: int, last: bool, first: bool) -> float:
 
 
 def _stage_cost(part: Part, m: int, sub: _SubMesh, last: bool, first: bool, rc: bool = False) -> StageCost:
-    return StageCost(seconds=part.batch_seconds / m + part.use_seconds, param_state_bytes=part.param_bytes,
+    return StageCost(seconds=part.micro_seconds(m), param_state_bytes=part.param_bytes,
                      activation_bytes=part.act_bytes / m, send_bytes=0.0 if last else sub.send_bytes / m,
                      send_grad_bytes=0.0 if first else sub.grad_bytes / m,
                      transient_bytes=(sub.transient_bytes / m if rc else 0.0) + _grad_transient(sub, m, last, first))
@@ -246,7 +257,7 @@ def _balance(sub: _SubMesh, p: int, m: int, schedule: str, n_blocks: int, budget
     # bisection below reads them at every step (recomputing the parts there took 2 s of gpt2-xl
     # on 64 devices' plan)
     parts = [[_stage_part(sub, n, k == 0, k == p - 1, rc) for n in range(1, n_blocks - p + 2)] for k in range(p)]
-    times = [[part.batch_seconds / m + part.use_seconds for part in row] for row in parts]
+    times = [[part.micro_seconds(m) for part in row] for row in parts]
 
     def stage_time(n: int, k: int) -> float:
         return times[k][n - 1]

@@ -37,7 +37,7 @@ from autopar.technique import Region
 from .hardware import Hardware
 from .saved_inputs import kept_output, saved_facts
 
-__all__ = ["TrainingSpec", "node_flops", "compute_seconds", "activation_bytes", "param_state_bytes",
+__all__ = ["TrainingSpec", "node_flops", "compute_seconds", "kernel_overhead_seconds", "activation_bytes", "param_state_bytes",
            "is_view", "OPTIMIZER_STATE_BYTES", "RECOMPUTE_MODES", "OpFacts", "op_facts"]
 
 aten = torch.ops.aten
@@ -225,6 +225,17 @@ def compute_seconds(node: fx.Node, strategy: Strategy, mesh: MeshSpec, hw: Hardw
     contraction = _has_contraction(node) if facts is None else facts.contraction
     bwd = hw.backward_ratio * fwd if contraction else fwd
     return fwd, bwd
+
+
+def kernel_overhead_seconds(node: fx.Node, hw: Hardware, needs_grad: bool) -> float:
+    """The part of ``compute_seconds(node, ...)``'s forward + backward that does not shrink with
+    the work: its per-kernel floor, the same for every strategy. A pipeline's micro-batch pays it
+    in full however small the micro-batch (``autopar.pipeline_parts.Part.fixed_seconds``)."""
+    if node.op != "call_function" or node.target in _VIEWS:
+        return 0.0
+    if not needs_grad:
+        return hw.kernel_overhead_s
+    return hw.kernel_overhead_s * (1.0 + (hw.backward_ratio if _has_contraction(node) else 1.0))
 
 
 def _has_contraction(node: fx.Node) -> bool:

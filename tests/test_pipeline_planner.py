@@ -350,3 +350,31 @@ def test_a_stage_ilp_counts_no_gradient_bucket_and_its_optimizer_once_per_step()
             else:
                 assert w.memory_bytes[i] == pytest.approx(3.0 * d.memory_bytes[i]) and w.seconds == d.seconds
     assert buckets
+
+
+def test_a_micro_batch_pays_the_kernel_floors_in_full():
+    # The search scales a piece priced for the whole batch down to one micro-batch; the kernels'
+    # floors do not shrink with it (gpt2-xl on 64, pp=4: 37.5 ms estimated with them scaled,
+    # 71.5 ms for its stage plans priced at the micro-batch). With work priced at nothing
+    # (infinite rates), a piece's batch seconds are exactly its floors, which the micro-batch
+    # then pays in full, and at a real rate the floors stay a part of the batch seconds.
+    import dataclasses
+
+    from autopar.pipeline_parts import kernel_floor_seconds, split_costs
+    from autopar.planner import plan
+
+    model, inputs = get_model("gpt-tiny", device="meta")
+    hw = get_hardware("a100-80gb")
+    free = dataclasses.replace(hw, peak_flops=1e30, peak_flops_fp32=1e30, memory_bandwidth_bytes_per_s=1e30,
+                               softmax_bytes_per_s=1e30)
+    for h in (free, hw):
+        p = plan(model, 1, inputs, hardware=h, baselines=False, pipeline=False)
+        part = split_costs(p.problem, p.choice)
+        floors = kernel_floor_seconds(p.problem, h)
+        assert floors > 0
+        if h is free:
+            assert part.batch_seconds == pytest.approx(floors, rel=1e-9)
+        else:
+            assert floors < part.batch_seconds
+        part = dataclasses.replace(part, fixed_seconds=floors)
+        assert part.micro_seconds(4) == pytest.approx((part.batch_seconds - floors) / 4 + floors + part.use_seconds)
