@@ -289,15 +289,15 @@ class _Builder:
         count = self.counts[n.name]
         chosen_per_option: list[Strategy] = []
         cache: dict[Layout, tuple] = {}
-        own_cost: dict[Strategy, tuple[float, float]] = {}
+        own_cost: dict[int, tuple[float, float]] = {}  # by id: a Strategy's hash is Python code
         grad = self.needs.get(producer.name, False)
         for i, a in enumerate(layouts):
             if a not in cache:
                 best = None
                 for st in (by_input.get(a) or strategies):
-                    cost = own_cost.get(st)
+                    cost = own_cost.get(id(st))
                     if cost is None:
-                        cost = own_cost[st] = self.option_cost(n, st, (), False)
+                        cost = own_cost[id(st)] = self.option_cost(n, st, (), False)
                     comm = reshard_seconds(a, st.inputs[0], total, self.mesh, grad)
                     if best is None or cost[0] + comm < best[1] + best[3]:
                         best = (st, cost[0], cost[1], comm)

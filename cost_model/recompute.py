@@ -164,7 +164,7 @@ def _edge_pairs(e, c: int, mesh, forward: dict[tuple, tuple]) -> dict:
             hit = forward[fkey] = (fwd, steps_seconds(fwd, mesh) if fwd else 0.0, a, b)  # a, b keep their ids
         fwd, sec = hit[0], hit[1]
         extra = sec * e.count if fwd else 0.0
-        saved = e.memory.get((a, b), 0.0) * (c - 1) / c
+        saved = e.memory.get((a, b), 0.0) * (c - 1) / c if e.memory else 0.0  # no pair's hash where none keeps
         if extra or saved:
             pairs[(a, b)] = (extra, saved, fwd)
     return pairs
