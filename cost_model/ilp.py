@@ -244,14 +244,14 @@ def _add_recompute(m: _Model, problem: Problem, x, edge_cols: dict) -> tuple[dic
     r_cols, memory = {}, []
 
     def product(name: str, r: int, gates: list[int], per_gate: list[tuple[float, float]]) -> None:
-        ws = []
-        for gate, (extra_s, saved_bytes) in zip(gates, per_gate):
-            w = m.col(extra_s)
-            ws.append(w)
-            m.row(f"recompute_le[{name}]", [(w, 1.0), (gate, -1.0)], -float("inf"), 0.0)
+        per_gate = per_gate[:len(gates)]  # one w per (gate, terms) pair, as zip pairs them
+        ws = range(first := m.cols([extra_s for extra_s, _ in per_gate]), first + len(per_gate))
+        le = f"recompute_le[{name}]"
+        for w, gate, (_, saved_bytes) in zip(ws, gates, per_gate):
+            m.row_of(le, [w, gate], [1.0, -1.0], -float("inf"), 0.0)
             if saved_bytes:
                 memory.append((w, -saved_bytes))
-        m.row(f"recompute[{name}]", [(w, 1.0) for w in ws] + [(r, -1.0)], 0.0, 0.0)
+        m.row_of(f"recompute[{name}]", [*ws, r], [1.0] * len(ws) + [-1.0], 0.0, 0.0)
 
     runs: dict[str, list[int]] = {}
     for term in problem.recompute:
