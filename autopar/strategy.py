@@ -121,8 +121,8 @@ class Layout:
     def is_replicated(self) -> bool:
         return all(c == REPLICATE_CODE for c in self.codes)
 
-    @property
-    def has_partial(self) -> bool:
+    @functools.cached_property
+    def has_partial(self) -> bool:  # cached: the planner asks it of every strategy's inputs on every mesh
         return any(c in (PARTIAL_SUM_CODE, PARTIAL_AVG_CODE, OTHER_CODE) for c in self.codes)
 
     def __str__(self) -> str:

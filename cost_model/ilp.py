@@ -122,14 +122,27 @@ class _Model:
         self.integer.append(integer)
         return len(self.cost) - 1
 
+    def cols(self, costs_s) -> int:
+        """Continuous columns of ``costs_s``, in order; returns the first one's index."""
+        first = len(self.cost)
+        self.cost.extend(c * _TIME_SCALE for c in costs_s)
+        n = len(self.cost) - first
+        self.upper.extend([1.0] * n)
+        self.integer.extend([False] * n)
+        return first
+
     def row(self, name: "str | tuple", coeffs: list[tuple[int, float]], lower: float, upper: float) -> None:
+        self.row_of(name, [c for c, _ in coeffs], [v for _, v in coeffs], lower, upper)
+
+    def row_of(self, name: "str | tuple", cols: list[int], values: list[float], lower: float, upper: float) -> None:
+        """A row whose coefficients are ``values`` on ``cols``."""
         r = len(self.row_lower)
         self.row_lower.append(lower)
         self.row_upper.append(upper)
         self.row_names.append(name)
-        self.entry_rows.extend([r] * len(coeffs))
-        self.entry_cols.extend(c for c, _ in coeffs)
-        self.entry_values.extend(v for _, v in coeffs)
+        self.entry_rows.extend([r] * len(cols))
+        self.entry_cols.extend(cols)
+        self.entry_values.extend(values)
 
     @property
     def entries(self) -> list[tuple[int, int, float]]:
@@ -153,31 +166,53 @@ def _add_decisions(m: _Model, problem: Problem) -> dict[str, list[int]]:
     return x
 
 
+def _classes(layouts: list) -> tuple[list, list[int], dict[int, int]]:
+    """The equality classes of ``layouts`` in order of first appearance, each as its first
+    layout (what dict keys by equality would keep); per layout, its class; id -> class. Each
+    distinct object is hashed once (a Layout's hash is Python code; ids hash in C)."""
+    ids = list(map(id, layouts))
+    reps: list = []
+    by_eq: dict = {}
+    by_id: dict[int, int] = {}
+    for i, layout in dict(zip(ids, layouts)).items():  # distinct objects, first appearance first
+        g = by_eq.get(layout)
+        if g is None:
+            g = by_eq[layout] = len(reps)
+            reps.append(layout)
+        by_id[i] = g
+    return reps, [by_id[i] for i in ids], by_id
+
+
 def _add_edges(m: _Model, problem: Problem, x, cols: dict | None = None) -> list[tuple[int, float]]:
     """The edge variables and rows; returns (column, bytes) of pairings that hold memory, and
-    fills ``cols`` (edge index -> layout pair -> column) when given."""
+    fills ``cols`` (edge index -> (its layout pairs, the first pair's column; the others follow))."""
     memory = []
     for idx, edge in enumerate(problem.edges):
         if not any(edge.seconds.values()) and not any(edge.memory.values()):
             continue  # every pairing is free: no variables needed
-        out_rows: dict = {}
-        in_rows: dict = {}
-        for (a, b), cost in edge.seconds.items():
-            col = m.col(cost)
-            if cols is not None:
-                cols.setdefault(idx, {})[(a, b)] = col
-            if edge.memory.get((a, b)):
-                memory.append((col, edge.memory[(a, b)]))
-            out_rows.setdefault(a, []).append((col, 1.0))
-            in_rows.setdefault(b, []).append((col, 1.0))
-        for i, a in enumerate(edge.producer_layouts):
-            out_rows[a].append((x[edge.producer][i], -1.0))
-        for j, b in enumerate(edge.consumer_layouts):
-            in_rows[b].append((x[edge.consumer][j], -1.0))
-        for a, coeffs in out_rows.items():
-            m.row(("edge_out", edge.producer, edge.consumer, a), coeffs, 0.0, 0.0)
-        for b, coeffs in in_rows.items():
-            m.row(("edge_in", edge.producer, edge.consumer, b), coeffs, 0.0, 0.0)
+        pairs = list(edge.seconds)
+        first = m.cols(edge.seconds.values())
+        if cols is not None and pairs:
+            cols[idx] = (pairs, first)
+        if edge.memory:
+            for k, ab in enumerate(pairs):
+                if edge.memory.get(ab):
+                    memory.append((first + k, edge.memory[ab]))
+        # one row per distinct producer layout (edge_out), then per consumer layout (edge_in):
+        # the pairs' columns with that layout, then the options that give or need it
+        for kind, side, decision, layouts in (("edge_out", 0, edge.producer, edge.producer_layouts),
+                                              ("edge_in", 1, edge.consumer, edge.consumer_layouts)):
+            reps, of_pair, by_id = _classes([ab[side] for ab in pairs])
+            rows: list[list[int]] = [[] for _ in reps]
+            for k, g in enumerate(of_pair):
+                rows[g].append(first + k)
+            ones = [len(r) for r in rows]
+            for i, layout in enumerate(layouts):
+                g = by_id.get(id(layout))
+                rows[reps.index(layout) if g is None else g].append(x[decision][i])
+            for layout, row, n in zip(reps, rows, ones):
+                m.row_of((kind, edge.producer, edge.consumer, layout), row, [1.0] * n + [-1.0] * (len(row) - n),
+                         0.0, 0.0)
     return memory
 
 
@@ -209,14 +244,14 @@ def _add_recompute(m: _Model, problem: Problem, x, edge_cols: dict) -> tuple[dic
     r_cols, memory = {}, []
 
     def product(name: str, r: int, gates: list[int], per_gate: list[tuple[float, float]]) -> None:
-        ws = []
-        for gate, (extra_s, saved_bytes) in zip(gates, per_gate):
-            w = m.col(extra_s)
-            ws.append(w)
-            m.row(f"recompute_le[{name}]", [(w, 1.0), (gate, -1.0)], -float("inf"), 0.0)
+        per_gate = per_gate[:len(gates)]  # one w per (gate, terms) pair, as zip pairs them
+        ws = range(first := m.cols([extra_s for extra_s, _ in per_gate]), first + len(per_gate))
+        le = f"recompute_le[{name}]"
+        for w, gate, (_, saved_bytes) in zip(ws, gates, per_gate):
+            m.row_of(le, [w, gate], [1.0, -1.0], -float("inf"), 0.0)
             if saved_bytes:
                 memory.append((w, -saved_bytes))
-        m.row(f"recompute[{name}]", [(w, 1.0) for w in ws] + [(r, -1.0)], 0.0, 0.0)
+        m.row_of(f"recompute[{name}]", [*ws, r], [1.0] * len(ws) + [-1.0], 0.0, 0.0)
 
     runs: dict[str, list[int]] = {}
     for term in problem.recompute:
@@ -228,11 +263,11 @@ def _add_recompute(m: _Model, problem: Problem, x, edge_cols: dict) -> tuple[dic
             if any(extra or saved for extra, saved, _ in per_option):
                 product(f"{term.prefix}:{key}", r, x[key], [(extra, saved) for extra, saved, _ in per_option])
         for idx, pairs in term.edges.items():
-            cols = edge_cols.get(idx)
-            if not cols:
+            if idx not in edge_cols:
                 continue
-            gates = list(cols.values())
-            per_gate = [pairs.get(ab, (0.0, 0.0, []))[:2] for ab in cols]
+            edge_pairs, first = edge_cols[idx]
+            gates = list(range(first, first + len(edge_pairs)))
+            per_gate = [pairs.get(ab, (0.0, 0.0, []))[:2] for ab in edge_pairs]
             product(f"{term.prefix}:edge{idx}", r, gates, per_gate)
     for run, cols in runs.items():  # "auto": a run's whole block or its attention segment, not both
         if len(cols) > 1:

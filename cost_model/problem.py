@@ -60,7 +60,6 @@ __all__ = ["Decision", "EdgeTerm", "SyncTerm", "Problem", "build_problem", "Pins
 Pins = Any
 
 
-
 def _tensor_bytes(val: Any, train: TrainingSpec) -> float:
     if not isinstance(val, torch.Tensor):
         return 0.0
@@ -290,15 +289,15 @@ class _Builder:
         count = self.counts[n.name]
         chosen_per_option: list[Strategy] = []
         cache: dict[Layout, tuple] = {}
-        own_cost: dict[Strategy, tuple[float, float]] = {}
+        own_cost: dict[int, tuple[float, float]] = {}  # by id: a Strategy's hash is Python code
         grad = self.needs.get(producer.name, False)
         for i, a in enumerate(layouts):
             if a not in cache:
                 best = None
                 for st in (by_input.get(a) or strategies):
-                    cost = own_cost.get(st)
+                    cost = own_cost.get(id(st))
                     if cost is None:
-                        cost = own_cost[st] = self.option_cost(n, st, (), False)
+                        cost = own_cost[id(st)] = self.option_cost(n, st, (), False)
                     comm = reshard_seconds(a, st.inputs[0], total, self.mesh, grad)
                     if best is None or cost[0] + comm < best[1] + best[3]:
                         best = (st, cost[0], cost[1], comm)
@@ -366,37 +365,40 @@ class _Builder:
     def edges_and_syncs(self):
         edge_acc: dict[tuple, EdgeTerm] = {}
         sync_acc: dict[tuple, SyncTerm] = {}
-        edge_syncs: dict[tuple, list[tuple]] = {}  # edge key -> the sync keys it triggers
+        edge_syncs: dict[tuple, list] = {}  # edge key -> per sync it triggers, the tensor sets a copy joins
         producers: dict[tuple, set[str]] = defaultdict(set)  # sync key -> the actual tensors behind it
         first: dict[tuple, tuple[fx.Node, fx.Node]] = {}  # edge key -> its first copy's (producer, consumer)
+        decisions, followers, rep = self.decisions, self.followers, self.rep
         for v in self.nodes:
-            vkey = self.rep[v.name]
-            if vkey in self.followers:
+            vkey = rep[v.name]
+            if vkey in followers:
                 continue  # folded into its root's options
-            dv = self.decisions[vkey]
+            dv = decisions[vkey]
             for k, (u, out_idx) in enumerate(_inputs(v)):
-                src = self.source(u, out_idx)
-                if src is None:
+                urep = rep.get(u.name)  # the decision key self.source gives, without its layouts
+                ukey = followers[urep][0] if urep in followers else urep if urep in decisions else None
+                if ukey is None:
                     continue
-                ukey, producer_layouts = src
-                total = self.tensor_bytes(u, out_idx)
-                grad = self.needs.get(u.name, False)
-                key = (ukey, self.rep[u.name], out_idx, vkey, k)
-                if key in edge_acc:
-                    edge_acc[key].count += 1
+                key = (ukey, urep, out_idx, vkey, k)
+                edge = edge_acc.get(key)
+                if edge is not None:
+                    edge.count += 1
                 else:
+                    _, producer_layouts = self.source(u, out_idx)
+                    total = self.tensor_bytes(u, out_idx)
+                    grad = self.needs.get(u.name, False)
                     # seconds and memory are filled in below, once the edge's copies are counted
-                    edge_acc[key] = EdgeTerm(ukey, vkey, producer_layouts, [st.inputs[k] for st, _ in dv.options],
-                                             {}, total_bytes=total, needs_grad=grad,
-                                             tensor=f"{self.rep[u.name]}[{out_idx}]", input_index=k)
+                    edge = edge_acc[key] = EdgeTerm(ukey, vkey, producer_layouts,
+                                                    [st.inputs[k] for st, _ in dv.options], {}, total_bytes=total,
+                                                    needs_grad=grad, tensor=f"{urep}[{out_idx}]", input_index=k)
                     first[key] = (u, v)
-                    edge_syncs[key] = (self.add_syncs(sync_acc, (self.rep[u.name], out_idx), dv, k, total)
-                                       if grad else [])
-                edge_acc[key].sources.append(f"{u.name}[{out_idx}]")
-                edge_acc[key].targets.append(v)
-                for skey in edge_syncs[key]:
-                    producers[skey].add(f"{u.name}[{out_idx}]")
-                    sync_acc[skey].sources.setdefault(vkey, set()).add(f"{u.name}[{out_idx}]")
+                    skeys = self.add_syncs(sync_acc, (urep, out_idx), dv, k, total) if grad else []
+                    edge_syncs[key] = [(producers[s], sync_acc[s].sources.setdefault(vkey, set())) for s in skeys]
+                edge.sources.append(name := f"{u.name}[{out_idx}]")
+                edge.targets.append(v)
+                for tensors, consumer_tensors in edge_syncs[key]:
+                    tensors.add(name)
+                    consumer_tensors.add(name)
         edges = list(edge_acc.values())
         # Edges moving equal-sized tensors between the same layout lists have equal tables: each is
         # priced once and copied (dict.copy keeps the keys' hashes: rehashing layout pairs was most

@@ -114,6 +114,8 @@ def add_recompute(problem, hw: Hardware, train: TrainingSpec,
     followers_of: dict[str, list[str]] = defaultdict(list)
     for name, (root, _) in problem.followers.items():
         followers_of[root].append(name)
+    edge_pairs: dict[int, dict] = {}  # edge index -> its pairs (the same in every term)
+    forward: dict[tuple, tuple] = {}  # (id(a), id(b), bytes, grad) -> (forward steps, seconds)
     for prefix, keys in sorted(groups.items()):
         if mode == "auto" and max(problem.decisions[k].count for k in keys) < 2:
             continue  # one block: recompute would hold as much at its backward as keeping does
@@ -140,17 +142,32 @@ def add_recompute(problem, hw: Hardware, train: TrainingSpec,
         for idx, e in enumerate(problem.edges):
             if e.consumer not in keys:
                 continue
-            c = problem.decisions[e.consumer].count
-            pairs = {}
-            for (a, b) in e.seconds:
-                fwd, _ = reshard_steps(a, b, e.total_bytes, mesh, e.needs_grad)
-                extra = steps_seconds(fwd, mesh) * e.count if fwd else 0.0
-                saved = e.memory.get((a, b), 0.0) * (c - 1) / c
-                if extra or saved:
-                    pairs[(a, b)] = (extra, saved, fwd)
+            pairs = edge_pairs.get(idx)
+            if pairs is None:  # an edge in a block run and its attention segment: the same pairs
+                pairs = edge_pairs[idx] = _edge_pairs(e, problem.decisions[e.consumer].count, mesh, forward)
             if pairs:
-                term.edges[idx] = pairs
+                term.edges[idx] = pairs.copy()
         problem.recompute.append(term)
+
+
+def _edge_pairs(e, c: int, mesh, forward: dict[tuple, tuple]) -> dict:
+    """(producer layout, consumer layout) -> (extra seconds, bytes saved, forward steps) of edge
+    ``e`` into a recomputed block whose consumer has ``c`` copies; pairs with neither are left
+    out. ``forward`` memoizes each reshard's forward steps and their seconds by the layouts'
+    identities (the edges' layout lists share their Layout objects)."""
+    pairs = {}
+    for (a, b) in e.seconds:
+        fkey = (id(a), id(b), e.total_bytes, e.needs_grad)
+        hit = forward.get(fkey)
+        if hit is None:
+            fwd, _ = reshard_steps(a, b, e.total_bytes, mesh, e.needs_grad)
+            hit = forward[fkey] = (fwd, steps_seconds(fwd, mesh) if fwd else 0.0, a, b)  # a, b keep their ids
+        fwd, sec = hit[0], hit[1]
+        extra = sec * e.count if fwd else 0.0
+        saved = e.memory.get((a, b), 0.0) * (c - 1) / c if e.memory else 0.0  # no pair's hash where none keeps
+        if extra or saved:
+            pairs[(a, b)] = (extra, saved, fwd)
+    return pairs
 
 
 def chosen_recompute(problem, choice: dict) -> tuple[str, ...]:

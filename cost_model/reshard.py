@@ -149,11 +149,14 @@ def reshard_seconds(src: Layout, dst: Layout, total_bytes: float, mesh: MeshSpec
     (src, dst, mesh) prices a reshard of any size. The planner prices ~10^5 reshards per mesh."""
     if total_bytes <= 0:
         return 0.0
-    table = _AFFINE.get(mesh)
-    if table is None:
+    # by the mesh's identity: hashing a MeshSpec (its links' dataclass hashes, in Python) was
+    # most of this function's time; the entry holds the mesh, so its id is not reused meanwhile
+    held = _AFFINE.get(id(mesh))
+    if held is None or held[0] is not mesh:
         if len(_AFFINE) > 64:
             _AFFINE.clear()
-        table = _AFFINE[mesh] = {}
+        held = _AFFINE[id(mesh)] = (mesh, {})
+    table = held[1]
     key = (src.codes, dst.codes, needs_grad)
     ab = table.get(key)
     if ab is None:
@@ -161,8 +164,8 @@ def reshard_seconds(src: Layout, dst: Layout, total_bytes: float, mesh: MeshSpec
     return ab[0] + ab[1] * total_bytes
 
 
-# Per mesh, (src codes, dst codes, needs_grad) -> (alpha, beta): reshard_seconds's hot path
-# hashes only small int tuples.
+# id(mesh) -> (mesh, {(src codes, dst codes, needs_grad) -> (alpha, beta)}): reshard_seconds's
+# hot path hashes only ints and small int tuples.
 _AFFINE: dict = {}
 
 
