@@ -37,8 +37,8 @@ from autopar.technique import Region
 from .hardware import Hardware
 from .saved_inputs import kept_output, saved_facts
 
-__all__ = ["TrainingSpec", "node_flops", "compute_seconds", "kernel_overhead_seconds", "activation_bytes", "param_state_bytes",
-           "is_view", "OPTIMIZER_STATE_BYTES", "RECOMPUTE_MODES", "OpFacts", "op_facts"]
+__all__ = ["TrainingSpec", "node_flops", "compute_seconds", "kernel_overhead_seconds", "activation_bytes",
+           "param_state_bytes", "is_view", "OPTIMIZER_STATE_BYTES", "RECOMPUTE_MODES", "OpFacts", "op_facts"]
 
 aten = torch.ops.aten
 
