@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.cost_model.comm import unit_collective_s
+from autopar.cost_model.comm import collective_latency_s, unit_collective_s
 from autopar.cost_model.costs import TrainingSpec, kernel_overhead_seconds
 from autopar.cost_model.evaluate import shared_reshards
 from autopar.cost_model.fsdp_pricing import fsdp_fusions, fsdp_unit_s, fsdp_unit_shares
 from autopar.cost_model.hardware import Hardware
 from autopar.cost_model.offload import device_parts
 from autopar.cost_model.recompute import recompute_effect, recomputed_keys
+from autopar.cost_model.reshard import reshard_latency_s
 
 from .plan import Plan
 
@@ -33,12 +34,14 @@ class Part:
     step_seconds: float = 0.0  # optimizer, parameter gradient syncs: once per step
     param_bytes: float = 0.0
     act_bytes: float = 0.0  # for the whole batch; scales with the micro-batch
-    # of batch_seconds, the kernels' floors (``kernel_floor_seconds``): each micro-batch pays them in full
+    # of batch_seconds, what does not shrink with the micro-batch, so each one pays it in full: the
+    # latencies of the activation collectives (``split_costs``) and the kernels' floors
+    # (``kernel_floor_seconds``, added by the pipeline search)
     fixed_seconds: float = 0.0
 
     def micro_seconds(self, m: int) -> float:
-        """One of ``m`` micro-batches: the batch work over m, the kernel floors in full, and the
-        parameter reshards (paid per micro-batch)."""
+        """One of ``m`` micro-batches: the batch work over m, its fixed part (collective latencies,
+        kernel floors) in full, and the parameter reshards (paid per micro-batch)."""
         return max(self.batch_seconds - self.fixed_seconds, 0.0) / m + self.fixed_seconds + self.use_seconds
 
     def __add__(self, o: "Part") -> "Part":
@@ -69,7 +72,7 @@ def split_costs(problem, choice: dict, regathers: bool = True) -> Part:
     ``regathers=False``: less the backward re-gathers of ZeRO-3 weights (a recomputed block runs
     none: its recompute gathers again, priced with its forward)."""
     mesh = problem.mesh
-    batch = use = step = params = acts = 0.0
+    batch = use = step = params = acts = latency = 0.0
     for key, d in problem.decisions.items():
         i = choice[key]
         if d.is_param:  # the optimizer once per step; ZeRO-2's collectives (comm_seconds) at every use
@@ -78,6 +81,8 @@ def split_costs(problem, choice: dict, regathers: bool = True) -> Part:
         else:
             batch += d.seconds[i]
             acts += d.memory_bytes[i]
+            latency += sum(collective_latency_s(st.collective, mesh.sizes[st.axis], mesh.links[st.axis]) * count
+                           for st, count in d.comm_steps[i])
     shared = shared_reshards(problem, choice)  # copies that reuse another op's reshard
     for idx, e in enumerate(problem.edges):
         a, b = e.producer_layouts[choice[e.producer]], e.consumer_layouts[choice[e.consumer]]
@@ -87,6 +92,7 @@ def split_costs(problem, choice: dict, regathers: bool = True) -> Part:
             use += seconds
         else:
             batch += seconds
+            latency += 0.0 if seconds <= 0 else reshard_latency_s(a, b, mesh, e.needs_grad) * (e.count - shared.get(idx, 0))
     fused, again = fsdp_fusions(problem, choice, recomputed_keys(problem, choice) if regathers
                                 else frozenset(problem.decisions))  # ZeRO-3, per micro-batch
     shares = fsdp_unit_shares(problem, choice)
@@ -103,8 +109,10 @@ def split_costs(problem, choice: dict, regathers: bool = True) -> Part:
                 step += g.seconds * count / g.count
             else:
                 batch += g.seconds * count / g.count
+                latency += collective_latency_s("all_reduce", mesh.sizes[g.axis], mesh.links[g.axis]) * count
     rc_compute, rc_comm, rc_saved, _ = recompute_effect(problem, choice, shared)  # recomputed blocks
-    return Part(batch + rc_compute + rc_comm, use, step, params, acts - rc_saved)
+    # (a recomputed forward's collectives are priced as rc_comm, their latencies not told apart)
+    return Part(batch + rc_compute + rc_comm, use, step, params, acts - rc_saved, latency)
 
 
 def kernel_floor_seconds(problem, hw: Hardware) -> float:

@@ -14,14 +14,17 @@ Scaling to a micro-batch: a piece is priced for the whole batch on its sub-mesh;
 work on activations (compute, activation collectives, activation memory, sends) scales by 1/m,
 parameter reshards (ZeRO-3 gathers) are paid per micro-batch, and the optimizer step and the
 parameter gradient synchronizations once per step, after the pipeline drains (as Megatron-LM
-and torchtitan run them); the kernels' floors (``Part.fixed_seconds``) are paid in full by
-every micro-batch. Simplifications: the layouts inside a stage are those that are fastest for
-the whole batch with no memory limit (memory is then checked per stage under the budget), and
-the rest of the work, collective latencies included, scales with the batch. Small micro-batches
-cost more than that: gpt2-xl on dp=2,tp=8 planned at batch 8 steps 92.4 ms, at batch 2 54.9 ms
-(0.59x, not 0.25x: memory-bound kernels, other layouts), so the chosen pipeline's stage plans,
-priced at the micro-batch (``autopar.pipeline_plan``), are what decide against the plan
-without stages (gpt2-xl on 64: the search's pp=4 at 49.8 ms, its stage plans 71.5 ms).
+and torchtitan run them); the kernels' floors and the activation collectives' latencies
+(``Part.fixed_seconds``) are paid in full by every micro-batch. Simplifications: the layouts
+inside a stage are those that are fastest for the whole batch with no memory limit (memory is
+then checked per stage under the budget), and the rest of the work scales with the batch.
+Small micro-batches cost more than that where the whole batch's layouts split the batch over
+more devices than a micro-batch has samples: gpt2-xl (batch 8) on 64, pp=4 on dp=2,tp=8 at 4
+micro-batches (the search's estimate 50.7 ms) shards its blocks' batch 8 ways on the tp axis,
+which a micro-batch of 2 cannot; its stage plans, made at the micro-batch, shard the sequence
+there instead (71.5 ms). So the chosen
+pipeline's stage plans, priced at the micro-batch (``autopar.pipeline_plan``), are what decide
+against the plan without stages.
 
 Search cost: the (stage count, sub-mesh) candidates are priced independently, part of them by
 a forked child (``autopar.forking.share_work``). Recomputed blocks are priced (one more problem
@@ -108,8 +111,8 @@ def _price_submesh(pieces, p: int, mesh: MeshSpec, n_blocks: int, hw: Hardware, 
                          time_limit_s=time_limit_s, model_name="stage", pipeline=False)
 
     def costs(plan: Plan, regathers: bool = True) -> Part:
-        return dataclasses.replace(split_costs(plan.problem, plan.choice, regathers),
-                                   fixed_seconds=kernel_floor_seconds(plan.problem, hw))
+        part = split_costs(plan.problem, plan.choice, regathers)
+        return dataclasses.replace(part, fixed_seconds=part.fixed_seconds + kernel_floor_seconds(plan.problem, hw))
 
     try:
         mid = solve(pieces[1])  # first: where it prunes, the end pieces are never built

@@ -32,6 +32,7 @@ __all__ = [
     "broadcast_s",
     "p2p_s",
     "collective_s",
+    "collective_latency_s",
     "unit_collective_s",
     "bytes_sent_per_rank",
 ]
@@ -150,8 +151,16 @@ def unit_collective_s(collective: Collective, nbytes: float, n: int, link: Link,
     full = collective_s(collective, nbytes, n, link)
     if full == 0.0 or collective in ("broadcast", "reduce", "p2p"):
         return full
-    steps = 2 * (n - 1) if collective == "all_reduce" else n - 1
-    return full - steps * link.rates(collective, n)[1] * (1.0 - unit_share)
+    return full - collective_latency_s(collective, n, link) * (1.0 - unit_share)
+
+
+def collective_latency_s(collective: Collective, n: int, link: Link) -> float:
+    """The latency term of ``collective_s`` (its ``a`` hops): what the collective costs however
+    few bytes it moves. A pipeline's micro-batch pays it in full (``autopar.pipeline_parts``)."""
+    if n == 1:
+        return 0.0
+    hops = 2 * (n - 1) if collective == "all_reduce" else 1 if collective == "p2p" else n - 1
+    return hops * link.rates(collective, n)[1]
 
 
 def bytes_sent_per_rank(collective: Collective, nbytes: float, n: int) -> float:

@@ -43,7 +43,8 @@ from autopar.strategy import REPLICATE_CODE, Layout
 
 from .comm import collective_s
 
-__all__ = ["CommStep", "Transition", "transitions", "reshard_steps", "reshard_seconds", "steps_seconds"]
+__all__ = ["CommStep", "Transition", "transitions", "reshard_steps", "reshard_seconds", "reshard_latency_s",
+           "steps_seconds"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,12 @@ def reshard_seconds(src: Layout, dst: Layout, total_bytes: float, mesh: MeshSpec
     if ab is None:
         ab = table[key] = _unit_reshard(src.codes, dst.codes, mesh.sizes, mesh.links, needs_grad)[2:]
     return ab[0] + ab[1] * total_bytes
+
+
+def reshard_latency_s(src: Layout, dst: Layout, mesh: MeshSpec, needs_grad: bool = True) -> float:
+    """The part of ``reshard_seconds`` that does not grow with the bytes: its collectives'
+    latencies, forward and backward."""
+    return _unit_reshard(src.codes, dst.codes, mesh.sizes, mesh.links, needs_grad)[2]
 
 
 # id(mesh) -> (mesh, {(src codes, dst codes, needs_grad) -> (alpha, beta)}): reshard_seconds's

@@ -378,3 +378,28 @@ def test_a_micro_batch_pays_the_kernel_floors_in_full():
             assert floors < part.batch_seconds
         part = dataclasses.replace(part, fixed_seconds=floors)
         assert part.micro_seconds(4) == pytest.approx((part.batch_seconds - floors) / 4 + floors + part.use_seconds)
+
+
+def test_a_micro_batch_pays_its_collectives_latencies_in_full():
+    # A collective's latency does not shrink with the bytes it moves: under tensor parallelism
+    # every micro-batch pays each activation all-reduce's hops in full. With compute, memory and
+    # links infinitely fast (latencies kept), a piece's batch seconds are exactly its floors
+    # plus those latencies, which Part.fixed_seconds then holds.
+    import dataclasses
+
+    from autopar.mesh import Link
+    from autopar.pipeline_parts import kernel_floor_seconds, split_costs
+    from autopar.planner import plan
+
+    model, inputs = get_model("gpt-tiny", device="meta")
+    hw = get_hardware("a100-80gb")
+    fast = Link("fast", 1e30, hw.intra_node.latency_s)
+    free = dataclasses.replace(hw, peak_flops=1e30, peak_flops_fp32=1e30, memory_bandwidth_bytes_per_s=1e30,
+                               softmax_bytes_per_s=1e30, intra_node=fast, inter_node=fast)
+    p = plan(model, 2, inputs, hardware=free, mesh="tp=2", strategy="megatron", baselines=False, pipeline=False)
+    part = split_costs(p.problem, p.choice)
+    floors = kernel_floor_seconds(p.problem, free)
+    assert part.fixed_seconds > 2 * fast.latency_s  # activation all-reduces, forward and backward
+    assert part.batch_seconds == pytest.approx(floors + part.fixed_seconds, rel=1e-9)
+    part = dataclasses.replace(part, fixed_seconds=part.fixed_seconds + floors)
+    assert part.micro_seconds(4) == pytest.approx(part.batch_seconds + part.use_seconds)
