@@ -137,7 +137,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
                          offload if isinstance(offload, OffloadTargets) else bool(offload))
     budget = float(memory_budget_bytes) if memory_budget_bytes is not None else float(hw.memory_bytes)
     gm = model if isinstance(model, fx.GraphModule) else trace(model, example_inputs, example_kwargs,
-                                                                 stack_traces=False)
+                                                                 stack_traces=False, repeat_blocks=True)
     say(f"traced {len(gm.graph.nodes)} nodes")
     if train.recompute == "selective":  # cost_model/recompute.py: not priced inside pipeline stages yet
         pipeline = False
@@ -146,7 +146,7 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
                                    "recompute='full' (or 'auto') with pipeline stages, or drop pp= from the mesh")
     # pipeline stage plans are made for one micro-batch: the model traced again at that size
     micro_graph = None if isinstance(model, fx.GraphModule) or example_kwargs else (
-        lambda m: trace(model, microbatch_inputs(example_inputs, m), stack_traces=False))
+        lambda m: trace(model, microbatch_inputs(example_inputs, m), stack_traces=False, repeat_blocks=True))
     if strategy == "pp" or (mesh is not None and "pp" in (mesh.axes if isinstance(mesh, MeshSpec) else
                                                          MeshSpec.parse(mesh, n_gpus).axes)):
         return pinned_pipeline_plan(gm, n_gpus, mesh, hw, train, budget, model_name or type(model).__name__, t0,
