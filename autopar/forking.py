@@ -7,18 +7,27 @@ cheaply), and sends back only its results, pickled through a pipe. Where fork is
 available, or the child fails, this process computes everything itself: same inputs, same
 answers, so forking changes the wall time only.
 
+The child takes work as it goes (``share_work``): the items' indices wait in a pipe, heaviest
+first, and each process reads the next one when it is free (a read of a few bytes from a pipe is
+atomic), so a share whose items turn out cheaper than their weight said (a pipeline sub-mesh
+pruned after one piece) leaves no core idle. ``fork_call`` runs one function in a child while
+this process works on.
+
 Written by hand, not with ``concurrent.futures``: a process pool pickles the function and its
 arguments (a closure over the graph does not pickle) and starts a management thread in the
-parent, after which a later fork is no longer safe (``fork_is_safe``).
+parent, after which a later fork is no longer safe (``fork_is_safe``): the planner's first pool
+left the pipeline search it ran next unforked.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-from typing import Callable, Sequence, TypeVar
+import signal
+import struct
+from typing import Callable, Generic, Sequence, TypeVar
 
-__all__ = ["fork_is_safe", "share_work"]
+__all__ = ["fork_is_safe", "share_work", "fork_call", "ForkedCall"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -49,13 +58,12 @@ def _read_all(fd: int) -> bytes:
         chunks.append(chunk)
 
 
-def _child(items: Sequence[T], work: Callable[[T], R], write_fd: int) -> None:
-    """In the forked child: compute, send the pickled results, exit without running the
-    parent's exit handlers or flushing its copied stdio buffers."""
+def _send(value, write_fd: int) -> None:
+    """In a forked child: send ``value`` pickled, then exit without running the parent's exit
+    handlers or flushing its copied stdio buffers (status 1 where anything failed)."""
     code = 1
     try:
-        data = pickle.dumps([work(x) for x in items], protocol=pickle.HIGHEST_PROTOCOL)
-        view = memoryview(data)
+        view = memoryview(pickle.dumps(value(), protocol=pickle.HIGHEST_PROTOCOL))
         while view:
             view = view[os.write(write_fd, view):]
         code = 0
@@ -65,52 +73,107 @@ def _child(items: Sequence[T], work: Callable[[T], R], write_fd: int) -> None:
         os._exit(code)
 
 
+_INDEX = struct.Struct("<I")
+
+
+def _claims(fd: int):
+    """Indices read one at a time from the shared queue until it is empty."""
+    while True:
+        got = os.read(fd, _INDEX.size)
+        if len(got) < _INDEX.size:
+            return
+        yield _INDEX.unpack(got)[0]
+
+
 def share_work(items: Sequence[T], work: Callable[[T], R], weight: Callable[[T], float] = lambda _: 1.0,
                fork: bool | None = None) -> list[R]:
     """``[work(x) for x in items]``, part of it computed in a forked child (module doc).
 
-    ``weight`` estimates an item's cost; the child takes the heaviest items in turn while its
-    share is the lighter one. ``work`` must not depend on the order the items are computed in,
-    and its results must pickle. ``fork=None`` forks where ``fork_is_safe()``."""
+    ``weight`` estimates an item's cost: the items are handed out heaviest first, each to the
+    process that is free. ``work`` must not depend on the order the items are computed in, and
+    its results must pickle. ``fork=None`` forks where ``fork_is_safe()``."""
     items = list(items)
     if fork is None:
         fork = fork_is_safe()
-    if not fork or len(items) < 2:
+    if not fork or len(items) < 2 or len(items) * _INDEX.size > 4096:  # the queue fits a pipe's atomic write
         return [work(x) for x in items]
     order = sorted(range(len(items)), key=lambda i: -weight(items[i]))
-    mine, theirs, remote = 0.0, 0.0, []
-    for i in order:
-        if theirs < mine:
-            theirs += weight(items[i])
-            remote.append(i)
-        else:
-            mine += weight(items[i])
-    remote.sort()
     try:
+        queue_r, queue_w = os.pipe()
+        os.write(queue_w, b"".join(_INDEX.pack(i) for i in order))
+        os.close(queue_w)
         read_fd, write_fd = os.pipe()
         pid = os.fork()
     except OSError:
         return [work(x) for x in items]
     if pid == 0:  # the child
         os.close(read_fd)
-        _child([items[i] for i in remote], work, write_fd)
+        _send(lambda: [(i, work(items[i])) for i in _claims(queue_r)], write_fd)
     os.close(write_fd)
     results: dict[int, R] = {}
     try:
-        for i in range(len(items)):
-            if i not in remote:
-                results[i] = work(items[i])
+        for i in _claims(queue_r):
+            results[i] = work(items[i])
         data = _read_all(read_fd)
     finally:
         os.close(read_fd)
+        os.close(queue_r)
         _, status = os.waitpid(pid, 0)
-    theirs_results = None
     if os.waitstatus_to_exitcode(status) == 0:
         try:
-            theirs_results = pickle.loads(data)
+            results.update(pickle.loads(data))
         except Exception:  # noqa: BLE001 (a torn pipe: recompute the share here)
-            theirs_results = None
-    if theirs_results is None or len(theirs_results) != len(remote):
-        theirs_results = [work(items[i]) for i in remote]
-    results.update(zip(remote, theirs_results))
+            pass
+    for i in range(len(items)):  # what a failed child claimed
+        if i not in results:
+            results[i] = work(items[i])
     return [results[i] for i in range(len(items))]
+
+
+class ForkedCall(Generic[R]):
+    """``fn()`` running in a forked child (``fork_call``); ``result()`` waits for its value."""
+
+    def __init__(self, fn: Callable[[], R]):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            _send(fn, write_fd)
+        os.close(write_fd)
+        self._pid, self._fd = pid, read_fd
+
+    def result(self) -> R:
+        """The child's value; RuntimeError where the child failed or was cancelled."""
+        if self._pid is None:
+            raise RuntimeError("the forked call was cancelled")
+        try:
+            data = _read_all(self._fd)
+        finally:
+            os.close(self._fd)
+            _, status = os.waitpid(self._pid, 0)
+            self._pid = None
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError("the forked call failed")
+        return pickle.loads(data)
+
+    def cancel(self) -> None:
+        """Stop the child (a search that failed here need not wait for it)."""
+        if self._pid is not None:
+            try:
+                os.kill(self._pid, signal.SIGKILL)
+                os.waitpid(self._pid, 0)
+            except OSError:
+                pass
+            os.close(self._fd)
+            self._pid = None
+
+
+def fork_call(fn: Callable[[], R]) -> ForkedCall[R] | None:
+    """``fn()`` started in a forked child (it inherits this process's memory: ``fn`` may close
+    over anything, its result must pickle), or None where forking is not safe or fails."""
+    if not fork_is_safe():
+        return None
+    try:
+        return ForkedCall(fn)
+    except OSError:
+        return None

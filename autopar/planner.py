@@ -29,7 +29,7 @@ from .cost_model.costs import TrainingSpec
 from .cost_model.offload import OffloadTargets
 from .cost_model.hardware import Hardware, get_hardware
 from .cost_model.recompute import chosen_recompute
-from .forking import fork_is_safe
+from .forking import fork_call
 from .errors import AutoparError, BadArgumentError
 from .plan_arguments import check_plan_arguments
 from .mesh import MeshSpec
@@ -256,11 +256,8 @@ def _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) -> list[Baseli
 _MESH_WEIGHT = {1: 1.0, 2: 1.1, 3: 2.7}
 _BASELINES_WEIGHT = 4.0
 
-_FORKED: tuple | None = None
-
-
-def _helper_work(with_baselines: bool) -> tuple[list[Bound], float, str, list[BaselineResult]]:
-    gm, items, hw, train, budget, time_limit_s, progress, n_gpus, zero2, bounds_train = _FORKED
+def _helper_work(gm, items, hw, train, budget, time_limit_s, progress, n_gpus, zero2, bounds_train,
+                 with_baselines: bool) -> tuple[list[Bound], float, str, tuple[str, ...], list[BaselineResult]]:
     bounds, need, pin_error, failed = mesh_bounds(gm, items, hw, bounds_train, budget, time_limit_s, progress, zero2)
     bounds = [Bound(b.index, b.objective, b.integral, tight=b.tight, options_bound=b.options_bound,
                     rounded_s=b.rounded_s) for b in bounds]  # the problems stay here
@@ -271,33 +268,21 @@ def _helper_work(with_baselines: bool) -> tuple[list[Bound], float, str, list[Ba
 class _Helper:
     """A forked process that shares the search on this 2-core machine: it bounds part of the
     candidate meshes and prices the baselines while this process bounds the rest. It inherits
-    the traced graph instead of pickling it; only bounds and baseline figures come back.
-    Where fork is unavailable or the child fails, this process does the work itself, same
-    inputs, same answer."""
+    the traced graph instead of pickling it; only bounds and baseline figures come back
+    (``autopar.forking.fork_call``). Where fork is unavailable or the child fails, this process
+    does the work itself, same inputs, same answer."""
 
     def __init__(self, gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, n_gpus, baselines: bool,
                  zero2: bool = False, bounds_train: TrainingSpec | None = None):
-        global _FORKED
         bounds_train = train if bounds_train is None else bounds_train
         self.zero2, self.bounds_train = zero2, bounds_train  # the options the bounds are taken with
         self.args = (gm, hw, train, budget, time_limit_s, n_gpus)
         self.meshes_and_pins, self.with_baselines = meshes_and_pins, baselines
         self.indices = self._split(meshes_and_pins, baselines)
-        self.pool = self.future = None
         self._bounds = self._baselines = None
         items = [(i, meshes_and_pins[i]) for i in sorted(self.indices)]
-        if fork_is_safe():  # single-threaded only (autopar.forking)
-            try:
-                import concurrent.futures as cf
-                import multiprocessing as mp
-
-                _FORKED = (gm, items, hw, train, budget, time_limit_s, progress, n_gpus, zero2, bounds_train)
-                self.pool = cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork"))
-                self.future = self.pool.submit(_helper_work, baselines)
-            except (ValueError, OSError, RuntimeError):
-                self.close()
-            finally:
-                _FORKED = None
+        self.call = fork_call(lambda: _helper_work(gm, items, hw, train, budget, time_limit_s, progress, n_gpus,
+                                                   zero2, bounds_train, baselines))
 
     @staticmethod
     def _split(meshes_and_pins, baselines: bool) -> frozenset[int]:
@@ -316,14 +301,14 @@ class _Helper:
     def _collect(self) -> None:
         if self._bounds is not None:
             return
-        if self.pool is not None:
-            try:  # a child that dies raises BrokenProcessPool here, never hangs
-                self._bounds, self._need, self._pin_error, self._failed, self._baselines = self.future.result()
+        if self.call is not None:
+            try:  # a child that dies raises here, never hangs
+                self._bounds, self._need, self._pin_error, self._failed, self._baselines = self.call.result()
                 return
             except Exception:  # a failed child: do its share here instead
                 pass
             finally:
-                self.close()
+                self.call = None
         gm, hw, train, budget, time_limit_s, n_gpus = self.args
         items = [(i, self.meshes_and_pins[i]) for i in sorted(self.indices)]
         self._bounds, self._need, self._pin_error, self._failed = mesh_bounds(gm, items, hw, self.bounds_train, budget,
@@ -332,12 +317,9 @@ class _Helper:
                            if self.with_baselines else [])
 
     def close(self) -> None:
-        if self.pool is not None:
-            procs = list((getattr(self.pool, "_processes", None) or {}).values())
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            for proc in procs:
-                proc.terminate()  # a search that failed here need not wait for the child
-            self.pool = None
+        if self.call is not None:
+            self.call.cancel()  # a search that failed here need not wait for the child
+            self.call = None
 
     def bounds(self) -> tuple[list[Bound], float, str, tuple[str, ...]]:
         self._collect()

@@ -1,4 +1,5 @@
-"""autopar.forking.share_work: the planner's independent pricings shared with a forked child.
+"""autopar.forking: the planner's independent pricings shared with a forked child (share_work), and
+one call run in a child (fork_call).
 
 Run in a fresh single-threaded interpreter (pytest-xdist workers hold threads, where the planner
 never forks), loading the module by path: it imports nothing else, so the check costs no torch
@@ -14,7 +15,7 @@ import textwrap
 MODULE = pathlib.Path(__file__).resolve().parents[1] / "autopar" / "forking.py"
 
 CODE = textwrap.dedent("""
-    import importlib.util, json, os, sys
+    import importlib.util, json, os, sys, threading, time
     spec = importlib.util.spec_from_file_location("forking", sys.argv[1])
     forking = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(forking)
@@ -22,7 +23,12 @@ CODE = textwrap.dedent("""
     items = list(range(7))
 
     def work(x):
+        time.sleep(0.05)  # long enough for the child to start and take its share of the queue
         return (x * x, os.getpid() != parent)
+
+    def uneven(x):  # the first item takes as long as the rest together: whoever takes it takes no other
+        time.sleep(0.3 if x == 0 else 0.05)
+        return (x, os.getpid())
 
     def fails_in_child(x):
         if os.getpid() != parent:
@@ -34,6 +40,9 @@ CODE = textwrap.dedent("""
         shared=forking.share_work(items, work, weight=lambda x: 1.0 + x),
         inline=forking.share_work(items, work, fork=False),
         recovered=forking.share_work(items, fails_in_child),
+        uneven=forking.share_work(items, uneven, weight=lambda x: 7.0 - x),
+        called=forking.fork_call(lambda: (sum(items), os.getpid() != parent)).result(),
+        threads_after=forking.fork_is_safe(),
     )))
 """)
 
@@ -50,3 +59,10 @@ def test_share_work_splits_keeps_order_and_recovers_from_a_failed_child():
     assert got["inline"] == [[v, False] for v in squares]
     # a child that fails leaves its share to this process: still every answer, in order
     assert got["recovered"] == [[v, False] for v in squares]
+    # the items go to whichever process is free, heaviest first: the one that took the slow first
+    # item took nothing else while the other did the rest
+    slow = got["uneven"][0][1]
+    assert [x for x, _ in got["uneven"]] == list(range(7))
+    assert [pid for _, pid in got["uneven"]].count(slow) == 1
+    # one call in a child, its value back; and no thread left behind, so later work still forks
+    assert got["called"] == [21, True] and got["threads_after"]
