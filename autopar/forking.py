@@ -27,7 +27,7 @@ import signal
 import struct
 from typing import Callable, Generic, Sequence, TypeVar
 
-__all__ = ["fork_is_safe", "share_work", "fork_call", "ForkedCall"]
+__all__ = ["fork_is_safe", "share_work", "fork_call", "ForkedCall", "SharedQueues"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -177,3 +177,100 @@ def fork_call(fn: Callable[[], R]) -> ForkedCall[R] | None:
         return ForkedCall(fn)
     except OSError:
         return None
+
+
+class SharedQueues(Generic[T, R]):
+    """Queues of items shared with a forked child, taken in order: each process takes the next
+    item of the current queue when it is free, and the child sends its results of a queue as
+    soon as that queue is empty, then goes on to the next. This process takes its items with
+    ``take(q)`` (a generator: it computes them as it likes, between other work) and then
+    ``theirs(q)`` waits for the child's results of queue q: what the child took of it, as
+    ``{index: result}``; where the child failed, what neither process computed is computed here.
+
+    The planner's helper: queue 0 the meshes to bound, queue 1 the baseline families; this
+    process solves its ILPs between the two while the child goes on with the baselines."""
+
+    def __init__(self, queues: Sequence[Sequence[T]], work: Callable[[int, T], R],
+                 weight: Callable[[int, T], float] = lambda q, x: 1.0, fork: bool | None = None):
+        self.queues, self.work = [list(q) for q in queues], work
+        self._taken: list[set[int]] = [set() for _ in self.queues]
+        self._fds: list[int] = []
+        self._queue_fds: list[int] = []
+        self._pid = None
+        self._local = [iter(()) for _ in self.queues]  # after the child: nothing more to take here
+        if (fork_is_safe() if fork is None else fork) and sum(map(len, self.queues)) * _INDEX.size <= 4096:
+            try:
+                self._start(weight)
+            except OSError:
+                self._pid = None
+        if self._pid is None:  # everything here: the queues hold every index, in order
+            self._fds = []
+            self._local = [iter(range(len(q))) for q in self.queues]
+
+    def _start(self, weight) -> None:
+        queue_fds, result_fds = [], []
+        for k, q in enumerate(self.queues):
+            r, w = os.pipe()
+            os.write(w, b"".join(_INDEX.pack(i) for i in sorted(range(len(q)), key=lambda i: -weight(k, q[i]))))
+            os.close(w)
+            queue_fds.append(r)
+            result_fds.append(os.pipe())
+        pid = os.fork()
+        if pid == 0:  # the child: each queue in turn, its results sent when the queue is empty
+            code = 1
+            try:
+                for k, q in enumerate(self.queues):
+                    got = [(i, self.work(k, q[i])) for i in _claims(queue_fds[k])]
+                    view = memoryview(pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL))
+                    while view:
+                        view = view[os.write(result_fds[k][1], view):]
+                    os.close(result_fds[k][1])
+                code = 0
+            except BaseException:  # noqa: BLE001 (the parent computes what is missing)
+                code = 1
+            finally:
+                os._exit(code)
+        for _, w in result_fds:
+            os.close(w)
+        self._pid, self._queue_fds = pid, queue_fds
+        self._fds = [r for r, _ in result_fds]
+
+    def take(self, q: int):
+        """This process's items of queue q, as (index, item), each taken when asked for."""
+        source = _claims(self._queue_fds[q]) if self._pid is not None else self._local[q]
+        for i in source:
+            self._taken[q].add(i)
+            yield i, self.queues[q][i]
+
+    def theirs(self, q: int) -> dict[int, R]:
+        """The child's results of queue q (after ``take(q)`` is exhausted); computed here where
+        the child failed."""
+        left = {i: self.work(q, x) for i, x in self.take(q)}  # whatever this process left untaken
+        got: dict[int, R] = {}
+        if self._pid is not None:
+            try:
+                got = dict(pickle.loads(_read_all(self._fds[q])))
+            except Exception:  # noqa: BLE001 (a failed child: computed below)
+                got = {}
+            finally:
+                os.close(self._fds[q])
+                os.close(self._queue_fds[q])
+                self._fds[q] = self._queue_fds[q] = -1
+            if not any(self.queues[q + 1:]):  # the child has nothing more to do
+                self.close()
+        missing = set(range(len(self.queues[q]))) - self._taken[q] - set(got)
+        return {**got, **left, **{i: self.work(q, self.queues[q][i]) for i in sorted(missing)}}
+
+    def close(self) -> None:
+        """Stop the child (a search that failed need not wait for it) and reap it."""
+        if self._pid is not None:
+            try:
+                os.kill(self._pid, signal.SIGKILL)
+            except OSError:
+                pass
+            os.waitpid(self._pid, 0)
+            self._pid = None
+            for fd in self._fds + self._queue_fds:
+                if fd >= 0:
+                    os.close(fd)
+            self._fds = self._queue_fds = []

@@ -212,9 +212,9 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
     same options (``train``, ``zero2``: parameters' ZeRO-2 options, see ``search_with_zero2``)."""
     if helper is not None and (helper.zero2 != zero2 or helper.bounds_train != train):
         raise ValueError("the helper bounds meshes with other options than this search's")
-    remote = helper.indices if helper is not None else frozenset()
     search_started = time.perf_counter()
-    items = [(i, mp) for i, mp in enumerate(meshes_and_pins) if i not in remote]
+    # with a helper, the meshes are taken from a queue the two processes share (planner._Helper)
+    items = helper.take_meshes() if helper is not None else list(enumerate(meshes_and_pins))
     bounded, infeasible_need, pin_error, failed = mesh_bounds(gm, items, hw, train, budget, time_limit_s, progress,
                                                               zero2)
     if helper is not None:

@@ -29,7 +29,7 @@ from .cost_model.costs import TrainingSpec
 from .cost_model.offload import OffloadTargets
 from .cost_model.hardware import Hardware, get_hardware
 from .cost_model.recompute import chosen_recompute
-from .forking import fork_call
+from .forking import SharedQueues
 from .errors import AutoparError, BadArgumentError
 from .plan_arguments import check_plan_arguments
 from .mesh import MeshSpec
@@ -238,96 +238,76 @@ _BASELINE_FAMILIES = tuple(f.name for f in registered_families() if f.baseline)
 
 
 def _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) -> list[BaselineResult]:
-    out = []
-    for family in _BASELINE_FAMILIES:
-        fam_best = search_quiet(gm, _family_meshes(family, n_gpus, hw), hw, train, budget, time_limit_s)
-        if fam_best is None:
-            out.append(BaselineResult(family, "", math.inf, math.inf, False))
-            continue
-        p = fam_best.prediction
-        out.append(BaselineResult(family, str(fam_best.mesh), p.step_seconds, p.peak_memory_bytes,
-                                  p.peak_memory_bytes <= budget))
-    return out
+    return [_price_family(family, gm, n_gpus, hw, train, budget, time_limit_s) for family in _BASELINE_FAMILIES]
 
 
-# A mesh's relative cost to annotate, price and bound, by its number of axes, and the
-# baselines' (measured on GPT-2 XL over 64 devices: 0.24, 0.26 and 0.65 s per 1-, 2- and 3-axis
-# mesh, ~1 s for the baselines in a cold process); used only to split the work between processes.
+def _price_family(family, gm, n_gpus, hw, train, budget, time_limit_s) -> BaselineResult:
+    fam_best = search_quiet(gm, _family_meshes(family, n_gpus, hw), hw, train, budget, time_limit_s)
+    if fam_best is None:
+        return BaselineResult(family, "", math.inf, math.inf, False)
+    p = fam_best.prediction
+    return BaselineResult(family, str(fam_best.mesh), p.step_seconds, p.peak_memory_bytes, p.peak_memory_bytes <= budget)
+
+
+# A mesh's relative cost to annotate, price and bound, by its number of axes (measured on GPT-2 XL
+# over 64 devices: 0.24, 0.26 and 0.65 s per 1-, 2- and 3-axis mesh): the heaviest go first.
 _MESH_WEIGHT = {1: 1.0, 2: 1.1, 3: 2.7}
-_BASELINES_WEIGHT = 4.0
-
-def _helper_work(gm, items, hw, train, budget, time_limit_s, progress, n_gpus, zero2, bounds_train,
-                 with_baselines: bool) -> tuple[list[Bound], float, str, tuple[str, ...], list[BaselineResult]]:
-    bounds, need, pin_error, failed = mesh_bounds(gm, items, hw, bounds_train, budget, time_limit_s, progress, zero2)
-    bounds = [Bound(b.index, b.objective, b.integral, tight=b.tight, options_bound=b.options_bound,
-                    rounded_s=b.rounded_s) for b in bounds]  # the problems stay here
-    baselines = _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) if with_baselines else []
-    return bounds, need, pin_error, failed, baselines
 
 
 class _Helper:
-    """A forked process that shares the search on this 2-core machine: it bounds part of the
-    candidate meshes and prices the baselines while this process bounds the rest. It inherits
-    the traced graph instead of pickling it; only bounds and baseline figures come back
-    (``autopar.forking.fork_call``). Where fork is unavailable or the child fails, this process
-    does the work itself, same inputs, same answer."""
+    """A forked process that shares the search on this 2-core machine (``autopar.forking.SharedQueues``):
+    the two processes take the candidate meshes to bound from one queue, heaviest first, each
+    when it is free; then the baseline families from another, the child at once, this process
+    after the ILPs it solves meanwhile. The child inherits the traced graph instead of pickling
+    it; only bounds and baseline figures come back. Where fork is unavailable or the child
+    fails, this process does the work itself, same inputs, same answer."""
 
     def __init__(self, gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, n_gpus, baselines: bool,
                  zero2: bool = False, bounds_train: TrainingSpec | None = None):
         bounds_train = train if bounds_train is None else bounds_train
         self.zero2, self.bounds_train = zero2, bounds_train  # the options the bounds are taken with
-        self.args = (gm, hw, train, budget, time_limit_s, n_gpus)
-        self.meshes_and_pins, self.with_baselines = meshes_and_pins, baselines
-        self.indices = self._split(meshes_and_pins, baselines)
-        self._bounds = self._baselines = None
-        items = [(i, meshes_and_pins[i]) for i in sorted(self.indices)]
-        self.call = fork_call(lambda: _helper_work(gm, items, hw, train, budget, time_limit_s, progress, n_gpus,
-                                                   zero2, bounds_train, baselines))
+        parent = os.getpid()
 
-    @staticmethod
-    def _split(meshes_and_pins, baselines: bool) -> frozenset[int]:
-        """Indices the helper bounds: heaviest meshes first, each to the lighter side."""
-        order = sorted(range(len(meshes_and_pins)), key=lambda i: -_MESH_WEIGHT.get(meshes_and_pins[i][0].ndim, 4.0))
-        mine, theirs, remote = 0.0, _BASELINES_WEIGHT if baselines else 0.0, set()
-        for i in order:
-            w = _MESH_WEIGHT.get(meshes_and_pins[i][0].ndim, 4.0)
-            if theirs < mine:
-                theirs += w
-                remote.add(i)
-            else:
-                mine += w
-        return frozenset(remote)
+        def work(q: int, item):
+            if q == 1:
+                return _price_family(item, gm, n_gpus, hw, train, budget, time_limit_s)
+            bounds, need, pin_error, failed = mesh_bounds(gm, [item], hw, bounds_train, budget, time_limit_s,
+                                                          progress if os.getpid() != parent else QUIET, zero2)
+            if os.getpid() != parent:  # the problems stay in the child
+                bounds = [Bound(b.index, b.objective, b.integral, tight=b.tight, options_bound=b.options_bound,
+                                rounded_s=b.rounded_s) for b in bounds]
+            return bounds, need, pin_error, failed
 
-    def _collect(self) -> None:
-        if self._bounds is not None:
-            return
-        if self.call is not None:
-            try:  # a child that dies raises here, never hangs
-                self._bounds, self._need, self._pin_error, self._failed, self._baselines = self.call.result()
-                return
-            except Exception:  # a failed child: do its share here instead
-                pass
-            finally:
-                self.call = None
-        gm, hw, train, budget, time_limit_s, n_gpus = self.args
-        items = [(i, self.meshes_and_pins[i]) for i in sorted(self.indices)]
-        self._bounds, self._need, self._pin_error, self._failed = mesh_bounds(gm, items, hw, self.bounds_train, budget,
-                                                                              time_limit_s, QUIET, self.zero2)
-        self._baselines = (_price_baselines(gm, n_gpus, hw, train, budget, time_limit_s)
-                           if self.with_baselines else [])
+        def weight(q: int, item) -> float:
+            return _MESH_WEIGHT.get(item[1][0].ndim, 4.0) if q == 0 else 1.0
 
-    def close(self) -> None:
-        if self.call is not None:
-            self.call.cancel()  # a search that failed here need not wait for the child
-            self.call = None
+        self.queues = SharedQueues([list(enumerate(meshes_and_pins)), list(_BASELINE_FAMILIES) if baselines else []],
+                                   work, weight)
+        self._bounds = None
+
+    def take_meshes(self):
+        """This process's meshes to bound, (index, (mesh, pin)) each, taken as it asks."""
+        for _, item in self.queues.take(0):
+            yield item
 
     def bounds(self) -> tuple[list[Bound], float, str, tuple[str, ...]]:
-        self._collect()
-        return list(self._bounds), self._need, self._pin_error, self._failed
+        """The child's bounds (after ``take_meshes`` is exhausted)."""
+        if self._bounds is None:
+            got = self.queues.theirs(0)
+            rows = [got[i] for i in sorted(got)]
+            self._bounds = ([b for r in rows for b in r[0]], min((r[1] for r in rows), default=math.inf),
+                            next((r[2] for r in rows if r[2]), ""), tuple(f for r in rows for f in r[3]))
+        return list(self._bounds[0]), *self._bounds[1:]
 
     def baselines(self) -> list[BaselineResult]:
-        self._collect()
-        return self._baselines
+        """Every baseline family's result, in order: this process prices what the child has not
+        taken yet, then collects the child's."""
+        mine = {i: self.queues.work(1, family) for i, family in self.queues.take(1)}
+        got = {**self.queues.theirs(1), **mine}
+        return [got[i] for i in sorted(got)]
+
+    def close(self) -> None:
+        self.queues.close()
 
 
 def _to_plan(gm, best: Solved, hw, train, budget, strategy, baseline_results, n_gpus, model_name, n_solved,

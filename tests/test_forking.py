@@ -35,6 +35,24 @@ CODE = textwrap.dedent("""
             raise RuntimeError("child failure")
         return (x * x, False)
 
+    def queues(fail_in=None):
+        # queue 0: 6 quick items; queue 1: 4 slow ones. This process takes from queue 0, collects
+        # the child's share of it while the child already works on queue 1, then takes from 1.
+        def work(q, x):
+            if q == fail_in and os.getpid() != parent:
+                raise RuntimeError("child failure")
+            time.sleep(0.02 if q == 0 else 0.25)
+            return (q, x * 10, os.getpid() != parent)
+        shared = forking.SharedQueues([list(range(6)), list(range(4))], work)
+        mine0 = {i: work(0, x) for i, x in shared.take(0)}
+        t0 = time.perf_counter()
+        theirs0 = shared.theirs(0)
+        waited0 = time.perf_counter() - t0
+        mine1 = {i: work(1, x) for i, x in shared.take(1)}
+        theirs1 = shared.theirs(1)
+        return dict(q0=[v for _, v in sorted({**mine0, **theirs0}.items())],
+                    q1=[v for _, v in sorted({**mine1, **theirs1}.items())], waited0=waited0)
+
     print(json.dumps(dict(
         safe=forking.fork_is_safe(),
         shared=forking.share_work(items, work, weight=lambda x: 1.0 + x),
@@ -43,6 +61,8 @@ CODE = textwrap.dedent("""
         uneven=forking.share_work(items, uneven, weight=lambda x: 7.0 - x),
         called=forking.fork_call(lambda: (sum(items), os.getpid() != parent)).result(),
         threads_after=forking.fork_is_safe(),
+        queues=queues(),
+        queues_failed=queues(fail_in=1),
     )))
 """)
 
@@ -66,3 +86,12 @@ def test_share_work_splits_keeps_order_and_recovers_from_a_failed_child():
     assert [pid for _, pid in got["uneven"]].count(slow) == 1
     # one call in a child, its value back; and no thread left behind, so later work still forks
     assert got["called"] == [21, True] and got["threads_after"]
+    # shared queues: every item once, in order, both processes working on each queue; the
+    # child's share of queue 0 came back before it finished queue 1 (one slow item is 0.25 s)
+    q = got["queues"]
+    assert [x for _, x, _ in q["q0"]] == [10 * i for i in range(6)] and [x for _, x, _ in q["q1"]] == [0, 10, 20, 30]
+    assert {c for _, _, c in q["q0"]} == {True, False} and {c for _, _, c in q["q1"]} == {True, False}
+    assert q["waited0"] < 0.2
+    # a child that fails on queue 1 leaves its share there to this process
+    failed = got["queues_failed"]
+    assert [x for _, x, _ in failed["q1"]] == [0, 10, 20, 30] and not any(c for _, _, c in failed["q1"])
