@@ -22,7 +22,8 @@ from autopar.cost_model.reshard import reshard_latency_s
 
 from .plan import Plan
 
-__all__ = ["Part", "split_costs", "kernel_floor_seconds", "microbatch_and_step_seconds", "boundary_bytes"]
+__all__ = ["Part", "split_costs", "kernel_floor_seconds", "batch_split", "microbatch_and_step_seconds",
+           "boundary_bytes"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,25 @@ def kernel_floor_seconds(problem, hw: Hardware) -> float:
     plans priced at the micro-batch (71.5 ms)."""
     graph = next(iter(problem.decisions.values())).node.graph
     return sum(kernel_overhead_seconds(n, hw, problem.needs_grad.get(n.name, False)) for n in graph.nodes)
+
+
+def batch_split(problem, choice: dict, batch: int) -> int:
+    """Into how many pieces the solved layouts cut the batch dimension (dim 0 of a tensor whose
+    first dimension is the batch): the product of the sizes of the mesh axes that shard it, the
+    most over the graph's ops. A micro-batch of fewer samples cannot run those layouts."""
+    most = 1
+    graph = next(iter(problem.decisions.values())).node.graph
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        if n.name not in problem.rep_of or not isinstance(val, torch.Tensor) or val.ndim < 2 or val.shape[0] != batch:
+            continue
+        st = problem.strategy_of(n.name, choice)
+        if st.outputs:
+            cut = 1
+            for size, code in zip(problem.mesh.sizes, st.outputs[0].codes):
+                cut *= size if code == 0 else 1
+            most = max(most, cut)
+    return most
 
 
 def microbatch_and_step_seconds(plan: Plan) -> tuple[float, float]:

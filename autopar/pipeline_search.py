@@ -19,12 +19,15 @@ and torchtitan run them); the kernels' floors and the activation collectives' la
 inside a stage are those that are fastest for the whole batch with no memory limit (memory is
 then checked per stage under the budget), and the rest of the work scales with the batch.
 Small micro-batches cost more than that where the whole batch's layouts split the batch over
-more devices than a micro-batch has samples: gpt2-xl (batch 8) on 64, pp=4 on dp=2,tp=8 at 4
-micro-batches (the search's estimate 50.7 ms) shards its blocks' batch 8 ways on the tp axis,
-which a micro-batch of 2 cannot; its stage plans, made at the micro-batch, shard the sequence
-there instead (71.5 ms). So the chosen
-pipeline's stage plans, priced at the micro-batch (``autopar.pipeline_plan``), are what decide
-against the plan without stages.
+more devices than a micro-batch has samples (``_SubMesh.batch_split``): gpt2-xl (batch 8) on
+64, pp=4 on dp=2,tp=8 at 4 micro-batches was estimated at 50.7 ms with its blocks' batch cut 8
+ways on the tp axis, which a micro-batch of 2 cannot run; its stage plans, made at the
+micro-batch, cut the sequence there instead and took 71.5 ms, slower than the 65.9 ms plan
+without stages, after 1.2-1.7 s spent building them. So where a plan without stages exists,
+the search composes only micro-batch counts that can run the whole batch's layouts; where none
+does, it composes them all, and the chosen pipeline's stage plans, priced at the micro-batch
+(``autopar.pipeline_plan``), are what the plan gets. Either way the stage plans decide against
+the plan without stages.
 
 Search cost: the (stage count, sub-mesh) candidates are priced independently, part of them by
 a forked child (``autopar.forking.share_work``). Recomputed blocks are priced (one more problem
@@ -73,7 +76,7 @@ from .errors import AutoparError
 from .forking import share_work
 from .pipeline_candidates import global_batch, microbatch_counts, sub_meshes
 from .pipeline_info import PipelineInfo, PipelineStageInfo
-from .pipeline_parts import Part, boundary_bytes, kernel_floor_seconds, split_costs
+from .pipeline_parts import Part, batch_split, boundary_bytes, kernel_floor_seconds, split_costs
 from .plan import Plan
 
 __all__ = ["PipelineChoice", "search_pipeline"]
@@ -97,6 +100,9 @@ class _SubMesh:
     # per piece (embed, block, head): (gradients in flight in one op's backward, whole batch;
     # the largest parameter gradient): cost_model/liveness.backward_transient_peaks
     grad_transients: tuple = ((0.0, 0.0),) * 3
+    # into how many pieces the middle piece's layouts cut the batch (pipeline_parts.batch_split):
+    # a micro-batch of fewer samples cannot run them, so its estimate would not hold
+    batch_split: int = 1
 
 
 def _price_submesh(pieces, p: int, mesh: MeshSpec, n_blocks: int, hw: Hardware, train: TrainingSpec,
@@ -131,7 +137,7 @@ def _price_submesh(pieces, p: int, mesh: MeshSpec, n_blocks: int, hw: Hardware, 
     tied = sum(_weight_bytes(pieces[0], target) for target, stages in pieces.tied.items() if 2 in stages)
     grad_t = tuple(backward_transient_peaks(p.problem, p.choice) for p in plans)
     return _SubMesh(mesh, first - block, block, last - block, send, grad, batch, nodes, None, 0.0, tied,
-                    dict(plans[1].choice), floor, grad_t)
+                    dict(plans[1].choice), floor, grad_t, batch_split(mid.problem, mid.choice, batch))
 
 
 def _middle_bound(floor: Part, p: int, mesh: MeshSpec, n_blocks: int, send: float, grad: float, batch: int,
@@ -352,7 +358,8 @@ def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: Traini
     has fewer than 3 repeated blocks. ``pp`` / ``stage_mesh`` pin the stage count / sub-mesh.
     ``incumbent_s``: the step of a plan the caller keeps unless a pipeline is faster; candidates
     that provably cannot beat it are priced in part or not at all (``_middle_bound``,
-    ``_recompute_bound``), so the result is the same wherever it beats ``incumbent_s``."""
+    ``_recompute_bound``), and only micro-batch counts that can run the whole batch's layouts
+    are composed (module doc): the result is the best of those wherever it beats ``incumbent_s``."""
     try:
         prefix, indices = block_container(gm)
     except AutoparError:
@@ -368,7 +375,8 @@ def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: Traini
     pps = [pp] if pp else [d for d in range(2, n_blocks + 1) if n_gpus % d == 0 and n_gpus // d >= 1]
     todo = [(p, mesh) for p in pps for mesh in ([stage_mesh] if stage_mesh is not None else
                                                  sub_meshes(n_gpus // p, hw))]
-    kw = dict(n_blocks=n_blocks, batch=batch, budget=budget, hw=hw, prefix=prefix, progress=progress)
+    kw = dict(n_blocks=n_blocks, batch=batch, budget=budget, hw=hw, prefix=prefix, progress=progress,
+              strict=incumbent_s < float("inf"))
     # the sub-meshes are priced independently: a forked child prices part of them (autopar.forking);
     # 2-axis sub-meshes cost about twice a 1-axis one (more strategies per op)
     priced = share_work(todo, lambda pm: _price_submesh(pieces, pm[0], pm[1], n_blocks, hw, train, time_limit_s,
@@ -398,14 +406,22 @@ def search_pipeline(gm: fx.GraphModule, n_gpus: int, hw: Hardware, train: Traini
 
 
 def _best_of(todo, priced, rcs: tuple[bool, ...], best: PipelineChoice | None, *, n_blocks: int, batch: int,
-             budget: float, hw: Hardware, prefix: str, progress) -> PipelineChoice | None:
+             budget: float, hw: Hardware, prefix: str, progress, strict: bool = False) -> PipelineChoice | None:
     """The fastest pipeline (or ``best``) over the priced sub-meshes, micro-batch counts, the
-    recompute options ``rcs`` and the schedules."""
+    recompute options ``rcs`` and the schedules; ``strict``: only micro-batches that can run
+    the whole batch's layouts."""
     for p in dict.fromkeys(pm[0] for pm in todo):
         for (_, mesh), sub in ((pm, sub) for pm, sub in zip(todo, priced) if pm[0] == p):
             if sub is None or not rcs:
                 continue
-            for m, rc in ((m, rc) for m in microbatch_counts(batch, p, mesh) for rc in rcs):
+            # Beside a plan without stages, micro-batches too small for the whole batch's layouts
+            # are left out: their estimate prices layouts they cannot run (module doc), and
+            # building such a candidate to find that out cost more than the rest of the search.
+            # Where nothing fits without stages they stay: the stage plans, made at the
+            # micro-batch, lay them out anew.
+            counts = [m for m in microbatch_counts(batch, p, mesh)
+                      if not strict or (batch // m) % sub.batch_split == 0]
+            for m, rc in ((m, rc) for m in counts for rc in rcs):
                 for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)):
                     if v > 1 and (n_blocks % (p * v) or m % p):
                         continue

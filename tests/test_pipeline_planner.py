@@ -403,3 +403,30 @@ def test_a_micro_batch_pays_its_collectives_latencies_in_full():
     assert part.batch_seconds == pytest.approx(floors + part.fixed_seconds, rel=1e-9)
     part = dataclasses.replace(part, fixed_seconds=part.fixed_seconds + floors)
     assert part.micro_seconds(4) == pytest.approx(part.batch_seconds + part.use_seconds)
+
+
+def test_beside_a_plan_without_stages_only_micro_batches_that_can_run_the_layouts_are_composed(monkeypatch):
+    # A piece priced for the whole batch may cut the batch over more devices than a micro-batch
+    # has samples (gpt2-xl on 64: estimated 50.7 ms, its stage plans 71.5 ms, built for 1.2-1.7 s
+    # to find that out). With a plan to beat, the search composes only micro-batch counts that
+    # can run those layouts; with none, it composes every count.
+    import autopar.pipeline_search as ps
+    from autopar.cost_model.costs import TrainingSpec
+
+    monkeypatch.setattr("autopar.forking.fork_is_safe", lambda: False)
+    model, inputs = gpt("gpt-tiny", batch_size=8, seq_len=64, n_layer=6, n_embd=128, n_head=4)
+    gm = autopar.trace(model, inputs)
+    hw = get_hardware("a100-80gb")
+    args = (gm, 8, hw, TrainingSpec("adamw", True, "none", False), hw.memory_bytes)
+    composed, compose = [], ps._compose
+
+    def record(sub, counts, p, m, *rest, **kw):
+        composed.append((8 // m) % sub.batch_split == 0)
+        return compose(sub, counts, p, m, *rest, **kw)
+
+    monkeypatch.setattr(ps, "_compose", record)
+    ps.search_pipeline(*args, plan_fn=autopar.plan)
+    assert composed and not all(composed)  # some counts cannot run the whole batch's layouts
+    composed.clear()
+    ps.search_pipeline(*args, plan_fn=autopar.plan, incumbent_s=1.0)
+    assert composed and all(composed)
