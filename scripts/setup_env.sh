@@ -17,6 +17,11 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/cons
   python -m pip install -q -c "$ROOT/constraints-cpu.txt" -e "$ROOT[test]"
   touch "$STAMP"
 fi
+# Byte-compile autopar's sources (an editable install leaves them as source, and where
+# PYTHONDONTWRITEBYTECODE is set, as on this project's machines, Python never caches them): every
+# process that imports autopar (the CLI, each test rank) then skips ~0.25 s of compiling.
+# Up-to-date files are skipped; a stale .pyc is never used (Python checks the source's mtime).
+python -m compileall -q "$ROOT/autopar" "$ROOT/passes" "$ROOT/cost_model" "$ROOT/runtime" > /dev/null
 # Build csrc/'s fused CPU optimizer kernels once (~1-2 min; later runs reuse the build in
 # .venv/var). Where no compiler is found autopar warns once and runs its torch fallback.
 EXT_STAMP="$VENV/.autopar-ext-built"
