@@ -11,10 +11,12 @@ nodes become block L-1, which the head reads. Node names, targets, arguments and
 those the full trace gives (tests compare ``graph_fingerprint`` and the arguments on several
 models); the runtime checks the fingerprint again against its own full trace.
 
-Anything outside that pattern traces in full (``expand`` returns None): blocks 0, 1 and 2 traced
-unlike each other (e.g. a first block that computes a shared bias), a block reading one that is
-not its predecessor, ops outside the blocks reading any block but the last (e.g. a penultimate
-layer's features), a forward that fails or checks the block count with three blocks.
+Anything outside that pattern traces in full (``expand`` returns None): blocks whose settings
+differ; a model, block or config holding a list of unequal per-block entries that a block may
+index at run time (``config.layer_types``); blocks 0, 1 and 2 traced unlike each other (e.g. a
+first block that computes a shared bias); a block reading one that is not its predecessor; ops
+outside the blocks reading any block but the last (e.g. a penultimate layer's features); a
+forward that fails or checks the block count with three blocks.
 
 Where no library helps: torch.export has no way to trace a module once and reuse its graph
 for its repeats (its ``nonstrict`` tracing always runs each call), so the copy is made here.
@@ -46,10 +48,24 @@ def alike_blocks(model: nn.Module) -> tuple[str, nn.Module, str, nn.ModuleList] 
     best = None
     for path, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) >= MIN_BLOCKS and (best is None or len(mod) > len(best[3])):
-            if all(_alike(mod[0], b) for b in mod):
+            if all(_alike(mod[0], b) for b in mod) and not _per_block_table(model, mod):
                 parent_path, _, name = path.rpartition(".")
                 best = (path, model.get_submodule(parent_path), name, mod)
     return best
+
+
+def _per_block_table(model: nn.Module, blocks: nn.ModuleList) -> bool:
+    """Whether the model, a block or a settings object they hold (a Hugging Face config) keeps a
+    list with one unequal entry per block (e.g. ``config.layer_types``): a block may read its
+    own entry by its index at run time, which its attributes do not show."""
+    holders = [model, blocks[0]]
+    holders += [v for h in list(holders) for v in vars(h).values()
+                if hasattr(v, "__dict__") and not isinstance(v, (nn.Module, torch.Tensor, type))]
+    for h in holders:
+        for v in vars(h).values():
+            if isinstance(v, (list, tuple)) and len(v) == len(blocks) and not all(_same(v[0], x) for x in v):
+                return True
+    return False
 
 
 def _alike(a: nn.Module, b: nn.Module) -> bool:

@@ -122,3 +122,32 @@ def test_a_forward_that_fails_with_three_blocks_traces_in_full():
     assert trace_repeated(model, lambda m: trace(m, (x,), stack_traces=False)) is None
     assert len(model.blocks) == 6
     _same_graph(model, (x,), repeated=True)
+
+
+def test_blocks_that_read_their_own_entry_of_a_per_block_table_trace_in_full():
+    # alike blocks (their index aside) that look up a per-block setting at run time: the copies
+    # of block 1 would carry block 1's entry, so a list of unequal per-block entries on the
+    # model, a block or its config sends the model to the full trace
+    class Scaled(nn.Module):
+        def __init__(self, table, layer_idx):
+            super().__init__()
+            self.lin, self.table, self.layer_idx = nn.Linear(8, 8), table, layer_idx
+
+        def forward(self, x):
+            return self.lin(x) * self.table[self.layer_idx]
+
+    class Model(nn.Module):
+        def __init__(self, table):
+            super().__init__()
+            self.table = table
+            self.blocks = nn.ModuleList(Scaled(table, i) for i in range(6))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x.sum()
+
+    x = torch.randn(2, 8)
+    fast = _same_graph(Model([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), (x,), repeated=False)
+    assert fast is not None
+    _same_graph(Model([2.0] * 6), (x,), repeated=True)  # one setting for all: repeated, and exact
