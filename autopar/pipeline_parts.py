@@ -12,7 +12,10 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_model.comm import collective_latency_s, unit_collective_s
-from autopar.cost_model.costs import TrainingSpec, kernel_overhead_seconds
+from autopar.cost_model.costs import TrainingSpec, compute_seconds, kernel_overhead_seconds
+from autopar.cost_model.graph_facts import requires_grad
+from autopar.mesh import MeshSpec
+from autopar.passes.annotate import STRATEGIES_KEY
 from autopar.cost_model.evaluate import shared_reshards
 from autopar.cost_model.fsdp_pricing import fsdp_fusions, fsdp_unit_s, fsdp_unit_shares
 from autopar.cost_model.hardware import Hardware
@@ -22,8 +25,8 @@ from autopar.cost_model.reshard import reshard_latency_s
 
 from .plan import Plan
 
-__all__ = ["Part", "split_costs", "kernel_floor_seconds", "batch_split", "microbatch_and_step_seconds",
-           "boundary_bytes"]
+__all__ = ["Part", "split_costs", "kernel_floor_seconds", "least_compute", "batch_split",
+           "microbatch_and_step_seconds", "boundary_bytes"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,27 @@ def kernel_floor_seconds(problem, hw: Hardware) -> float:
     plans priced at the micro-batch (71.5 ms)."""
     graph = next(iter(problem.decisions.values())).node.graph
     return sum(kernel_overhead_seconds(n, hw, problem.needs_grad.get(n.name, False)) for n in graph.nodes)
+
+
+def least_compute(gm: fx.GraphModule, n_devices: int, hw: Hardware, train: TrainingSpec) -> Part:
+    """A lower bound on the compute of ``gm``'s ops on ``n_devices`` under any layouts, the whole
+    batch: each op's time on one device less its kernel floor, split over every device, plus the
+    floor (``fixed_seconds``); communication and memory at nothing. A layout splits an op's work
+    over at most every device and the roofline's terms split with it (``costs.compute_seconds``),
+    so no layout prices an op below this. No solve: the pipeline search bounds the end pieces
+    with it before it plans them (``pipeline_search._middle_bound``)."""
+    one = MeshSpec(("one",), (1,))
+    grads = requires_grad(gm)
+    batch = fixed = 0.0
+    for n in gm.graph.nodes:
+        strategies = n.meta.get(STRATEGIES_KEY) if n.op == "call_function" else None
+        if not strategies:
+            continue
+        fwd, bwd = compute_seconds(n, strategies[0], one, hw, train, grads.get(n.name, False))
+        floor = kernel_overhead_seconds(n, hw, grads.get(n.name, False))
+        batch += max(fwd + bwd - floor, 0.0) / n_devices + floor
+        fixed += floor
+    return Part(batch_seconds=batch, fixed_seconds=fixed)
 
 
 def batch_split(problem, choice: dict, batch: int) -> int:

@@ -76,7 +76,7 @@ from .errors import AutoparError
 from .forking import share_work
 from .pipeline_candidates import global_batch, microbatch_counts, sub_meshes
 from .pipeline_info import PipelineInfo, PipelineStageInfo
-from .pipeline_parts import Part, batch_split, boundary_bytes, kernel_floor_seconds, split_costs
+from .pipeline_parts import Part, batch_split, boundary_bytes, kernel_floor_seconds, least_compute, split_costs
 from .plan import Plan
 
 __all__ = ["PipelineChoice", "search_pipeline"]
@@ -125,7 +125,11 @@ def _price_submesh(pieces, p: int, mesh: MeshSpec, n_blocks: int, hw: Hardware, 
         send, grad = boundary_bytes(pieces[0], train)
         floor = costs(mid, regathers=False).scale(1.0 / (n_blocks - 2))
         if incumbent_s < float("inf"):
-            bound = _middle_bound(floor, p, mesh, n_blocks, send, grad, batch, hw, prefix)
+            # the end pieces as the search composes them (each less one block, clipped at zero),
+            # bounded without planning them: their least compute less the middle's block
+            block = costs(mid).scale(1.0 / (n_blocks - 2))
+            ends = tuple(least_compute(pieces[k], mesh.n_devices, hw, train) - block for k in (0, 2))
+            bound = _middle_bound(floor, p, mesh, n_blocks, send, grad, batch, hw, prefix, ends)
             if bound >= incumbent_s:
                 return bound
         plans = [solve(pieces[0]), mid, solve(pieces[2])]
@@ -141,7 +145,7 @@ def _price_submesh(pieces, p: int, mesh: MeshSpec, n_blocks: int, hw: Hardware, 
 
 
 def _middle_bound(floor: Part, p: int, mesh: MeshSpec, n_blocks: int, send: float, grad: float, batch: int,
-                  hw: Hardware, prefix: str) -> float:
+                  hw: Hardware, prefix: str, ends: tuple[Part, Part] = (Part(), Part())) -> float:
     """No pipeline of p stages on ``mesh`` steps faster, with or without recompute, whatever the
     end pieces cost: ``_recompute_bound`` on a sub-mesh whose every block costs ``floor`` (one
     block less its ZeRO-3 re-gathers, at most what a block costs with or without recompute)
@@ -149,7 +153,7 @@ def _middle_bound(floor: Part, p: int, mesh: MeshSpec, n_blocks: int, send: floa
     ``first - block`` and ``last - block`` clipped at zero per field, the tied weights' bytes
     at least zero, and a pipeline's step grows with every device's time, so each pipeline the
     search would compose from the priced pieces is at least this one's."""
-    sub = _SubMesh(mesh, Part(), floor, Part(), send, grad, batch, (), block_floor=floor)
+    sub = _SubMesh(mesh, ends[0], floor, ends[1], send, grad, batch, (), block_floor=floor)
     return _recompute_bound(sub, p, n_blocks, hw, prefix)
 
 

@@ -430,3 +430,32 @@ def test_beside_a_plan_without_stages_only_micro_batches_that_can_run_the_layout
     composed.clear()
     ps.search_pipeline(*args, plan_fn=autopar.plan, incumbent_s=1.0)
     assert composed and all(composed)
+
+
+def test_the_least_compute_of_a_piece_bounds_its_plans_on_every_mesh():
+    # The end pieces of a pipeline are bounded before they are planned (least_compute: each
+    # op's one-device time, less its floor, split over every device): no plan of the piece on
+    # any mesh of that many devices may price its ops below it.
+    from autopar.cost_model.costs import TrainingSpec
+    from autopar.passes.split_stages import split_stages
+    from autopar.pipeline_parts import kernel_floor_seconds, least_compute, split_costs
+    from autopar.planner import plan
+
+    # wide enough that the work, not the kernels' floors, is most of each piece's time
+    model, inputs = gpt("gpt-tiny", batch_size=8, seq_len=512, n_layer=4, n_embd=1024, n_head=8, vocab_size=32000,
+                        block_size=512)
+    pieces = split_stages(autopar.trace(model, inputs), (1, 2, 1))
+    hw = get_hardware("a100-80gb")
+    train = TrainingSpec("adamw", True, "none", False)
+    for piece in (pieces[0], pieces[2]):
+        for mesh in ("dp=4", "tp=4", "dp=2,tp=2"):
+            p = plan(piece, 4, mesh=mesh, hardware=hw, baselines=False, pipeline=False, recompute="none")
+            least = least_compute(piece, 4, hw, train)
+            floors = kernel_floor_seconds(p.problem, hw)
+            assert least.fixed_seconds == pytest.approx(floors, rel=1e-9)
+            compute = sum(d.seconds[p.choice[k]] - d.comm_seconds[p.choice[k]]
+                          for k, d in p.problem.decisions.items() if not d.is_param)
+            assert 2 * floors < least.batch_seconds <= compute * (1 + 1e-9), mesh
+            assert compute <= split_costs(p.problem, p.choice).batch_seconds * (1 + 1e-9)
+            if mesh == "dp=4":  # every op's work split over the 4 devices: the bound is that compute
+                assert least.batch_seconds == pytest.approx(compute, rel=0.05)
