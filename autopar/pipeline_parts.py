@@ -96,7 +96,8 @@ def split_costs(problem, choice: dict, regathers: bool = True) -> Part:
             use += seconds
         else:
             batch += seconds
-            latency += 0.0 if seconds <= 0 else reshard_latency_s(a, b, mesh, e.needs_grad) * (e.count - shared.get(idx, 0))
+            if seconds > 0:
+                latency += reshard_latency_s(a, b, mesh, e.needs_grad) * (e.count - shared.get(idx, 0))
     fused, again = fsdp_fusions(problem, choice, recomputed_keys(problem, choice) if regathers
                                 else frozenset(problem.decisions))  # ZeRO-3, per micro-batch
     shares = fsdp_unit_shares(problem, choice)

@@ -246,7 +246,8 @@ def _price_family(family, gm, n_gpus, hw, train, budget, time_limit_s) -> Baseli
     if fam_best is None:
         return BaselineResult(family, "", math.inf, math.inf, False)
     p = fam_best.prediction
-    return BaselineResult(family, str(fam_best.mesh), p.step_seconds, p.peak_memory_bytes, p.peak_memory_bytes <= budget)
+    return BaselineResult(family, str(fam_best.mesh), p.step_seconds, p.peak_memory_bytes,
+                          p.peak_memory_bytes <= budget)
 
 
 # A mesh's relative cost to annotate, price and bound, by its number of axes (measured on GPT-2 XL

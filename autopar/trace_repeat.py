@@ -71,7 +71,8 @@ def _per_block_table(model: nn.Module, blocks: nn.ModuleList) -> bool:
 def _alike(a: nn.Module, b: nn.Module) -> bool:
     """Same class (by name: a class made per instance counts as one), parameters, buffers,
     submodules and settings, but for the attributes naming the block's index."""
-    if _class_name(a) != _class_name(b) or a._forward_hooks or b._forward_hooks or a._forward_pre_hooks or b._forward_pre_hooks:
+    if _class_name(a) != _class_name(b) or any((a._forward_hooks, b._forward_hooks, a._forward_pre_hooks,
+                                                    b._forward_pre_hooks)):
         return False
     for own_a, own_b in ((a._parameters, b._parameters), (a._buffers, b._buffers)):
         if own_a.keys() != own_b.keys() or any(not _same_tensor(own_a[k], own_b[k]) for k in own_a):
