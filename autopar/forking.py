@@ -10,8 +10,8 @@ answers, so forking changes the wall time only.
 The child takes work as it goes (``share_work``): the items' indices wait in a pipe, heaviest
 first, and each process reads the next one when it is free (a read of a few bytes from a pipe is
 atomic), so a share whose items turn out cheaper than their weight said (a pipeline sub-mesh
-pruned after one piece) leaves no core idle. ``fork_call`` runs one function in a child while
-this process works on.
+pruned after one piece) leaves no core idle. ``SharedQueues`` does the same over several queues
+in turn, the child sending each queue's results as soon as it is empty.
 
 Written by hand, not with ``concurrent.futures``: a process pool pickles the function and its
 arguments (a closure over the graph does not pickle) and starts a management thread in the
@@ -27,7 +27,7 @@ import signal
 import struct
 from typing import Callable, Generic, Sequence, TypeVar
 
-__all__ = ["fork_is_safe", "share_work", "fork_call", "ForkedCall", "SharedQueues"]
+__all__ = ["fork_is_safe", "share_work", "SharedQueues"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -58,21 +58,6 @@ def _read_all(fd: int) -> bytes:
         chunks.append(chunk)
 
 
-def _send(value, write_fd: int) -> None:
-    """In a forked child: send ``value`` pickled, then exit without running the parent's exit
-    handlers or flushing its copied stdio buffers (status 1 where anything failed)."""
-    code = 1
-    try:
-        view = memoryview(pickle.dumps(value(), protocol=pickle.HIGHEST_PROTOCOL))
-        while view:
-            view = view[os.write(write_fd, view):]
-        code = 0
-    except BaseException:  # noqa: BLE001 (the parent recomputes this share; nothing to report here)
-        code = 1
-    finally:
-        os._exit(code)
-
-
 _INDEX = struct.Struct("<I")
 
 
@@ -87,96 +72,17 @@ def _claims(fd: int):
 
 def share_work(items: Sequence[T], work: Callable[[T], R], weight: Callable[[T], float] = lambda _: 1.0,
                fork: bool | None = None) -> list[R]:
-    """``[work(x) for x in items]``, part of it computed in a forked child (module doc).
-
-    ``weight`` estimates an item's cost: the items are handed out heaviest first, each to the
-    process that is free. ``work`` must not depend on the order the items are computed in, and
-    its results must pickle. ``fork=None`` forks where ``fork_is_safe()``."""
+    """``[work(x) for x in items]``, part of it computed in a forked child (module doc): one
+    ``SharedQueues`` queue, the items handed out heaviest first (``weight`` estimates an item's
+    cost), each to the process that is free. ``work`` must not depend on the order the items
+    are computed in, and its results must pickle. ``fork=None`` forks where ``fork_is_safe()``."""
     items = list(items)
-    if fork is None:
-        fork = fork_is_safe()
-    if not fork or len(items) < 2 or len(items) * _INDEX.size > 4096:  # the queue fits a pipe's atomic write
+    if not (fork_is_safe() if fork is None else fork) or len(items) < 2:
         return [work(x) for x in items]
-    order = sorted(range(len(items)), key=lambda i: -weight(items[i]))
-    try:
-        queue_r, queue_w = os.pipe()
-        os.write(queue_w, b"".join(_INDEX.pack(i) for i in order))
-        os.close(queue_w)
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-    except OSError:
-        return [work(x) for x in items]
-    if pid == 0:  # the child
-        os.close(read_fd)
-        _send(lambda: [(i, work(items[i])) for i in _claims(queue_r)], write_fd)
-    os.close(write_fd)
-    results: dict[int, R] = {}
-    try:
-        for i in _claims(queue_r):
-            results[i] = work(items[i])
-        data = _read_all(read_fd)
-    finally:
-        os.close(read_fd)
-        os.close(queue_r)
-        _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) == 0:
-        try:
-            results.update(pickle.loads(data))
-        except Exception:  # noqa: BLE001 (a torn pipe: recompute the share here)
-            pass
-    for i in range(len(items)):  # what a failed child claimed
-        if i not in results:
-            results[i] = work(items[i])
-    return [results[i] for i in range(len(items))]
-
-
-class ForkedCall(Generic[R]):
-    """``fn()`` running in a forked child (``fork_call``); ``result()`` waits for its value."""
-
-    def __init__(self, fn: Callable[[], R]):
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_fd)
-            _send(fn, write_fd)
-        os.close(write_fd)
-        self._pid, self._fd = pid, read_fd
-
-    def result(self) -> R:
-        """The child's value; RuntimeError where the child failed or was cancelled."""
-        if self._pid is None:
-            raise RuntimeError("the forked call was cancelled")
-        try:
-            data = _read_all(self._fd)
-        finally:
-            os.close(self._fd)
-            _, status = os.waitpid(self._pid, 0)
-            self._pid = None
-        if os.waitstatus_to_exitcode(status) != 0:
-            raise RuntimeError("the forked call failed")
-        return pickle.loads(data)
-
-    def cancel(self) -> None:
-        """Stop the child (a search that failed here need not wait for it)."""
-        if self._pid is not None:
-            try:
-                os.kill(self._pid, signal.SIGKILL)
-                os.waitpid(self._pid, 0)
-            except OSError:
-                pass
-            os.close(self._fd)
-            self._pid = None
-
-
-def fork_call(fn: Callable[[], R]) -> ForkedCall[R] | None:
-    """``fn()`` started in a forked child (it inherits this process's memory: ``fn`` may close
-    over anything, its result must pickle), or None where forking is not safe or fails."""
-    if not fork_is_safe():
-        return None
-    try:
-        return ForkedCall(fn)
-    except OSError:
-        return None
+    shared = SharedQueues([items], lambda q, x: work(x), lambda q, x: weight(x), fork=True)
+    mine = {i: work(x) for i, x in shared.take(0)}
+    got = {**shared.theirs(0), **mine}
+    return [got[i] for i in range(len(items))]
 
 
 class SharedQueues(Generic[T, R]):
