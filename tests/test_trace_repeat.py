@@ -151,3 +151,29 @@ def test_blocks_that_read_their_own_entry_of_a_per_block_table_trace_in_full():
     fast = _same_graph(Model([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), (x,), repeated=False)
     assert fast is not None
     _same_graph(Model([2.0] * 6), (x,), repeated=True)  # one setting for all: repeated, and exact
+
+
+def test_blocks_whose_own_settings_differ_trace_in_full():
+    # each block keeps its own scale (no shared table): the copies of block 1 would carry its
+    # scale, so blocks whose settings differ (their index aside) are not alike
+    class Scaled(nn.Module):
+        def __init__(self, scale, layer_idx):
+            super().__init__()
+            self.lin, self.scale, self.layer_idx = nn.Linear(8, 8), scale, layer_idx
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    class Model(nn.Module):
+        def __init__(self, scales):
+            super().__init__()
+            self.blocks = nn.ModuleList(Scaled(s, i) for i, s in enumerate(scales))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x.sum()
+
+    x = torch.randn(2, 8)
+    _same_graph(Model([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), (x,), repeated=False)
+    _same_graph(Model([2.0] * 6), (x,), repeated=True)  # their index aside, alike: repeated, and exact
