@@ -169,14 +169,16 @@ def expand(small: fx.GraphModule, prefix: str, blocks: nn.ModuleList) -> fx.Grap
         return None
     runs = _runs(list(small.graph.nodes), prefix)
     where: dict[fx.Node, tuple[int, int, int]] = {}  # node -> (block, its run of that block, position)
-    seen: dict[int, int] = {0: 0, 1: 0, 2: 0}
-    for k, (b, nodes) in enumerate(runs):
+    seen: dict[int, int] = {0: 0, 1: 0, 2: 0}  # runs of each block so far
+    by_key: dict[tuple[int, int], list[fx.Node]] = {}  # (block, its run) -> the run's nodes
+    for b, nodes in runs:
         if b is None:
             continue
         if b not in seen:
             return None
         for j, n in enumerate(nodes):
             where[n] = (b, seen[b], j)
+        by_key[(b, seen[b])] = nodes
         seen[b] += 1
     if not (seen[0] == seen[1] == seen[2] >= 1):
         return None
@@ -184,8 +186,6 @@ def expand(small: fx.GraphModule, prefix: str, blocks: nn.ModuleList) -> fx.Grap
     order = [b for b, _ in runs if b is not None]
     if order != [b for _ in range(seen[0]) for b in (0, 1, 2)]:
         return None
-    by_key = {(b, r): nodes for (b, nodes) in runs if b is not None
-              for r in [where[nodes[0]][1]]}
     for r in range(seen[0]):
         r0, r1, r2 = by_key[(0, r)], by_key[(1, r)], by_key[(2, r)]
         if not (len(r0) == len(r1) == len(r2)) or any(_op(x) != _op(y) or _op(y) != _op(z)
