@@ -237,10 +237,6 @@ def _forward_bytes(gm: fx.GraphModule, train: TrainingSpec) -> float:
 _BASELINE_FAMILIES = tuple(f.name for f in registered_families() if f.baseline)
 
 
-def _price_baselines(gm, n_gpus, hw, train, budget, time_limit_s) -> list[BaselineResult]:
-    return [_price_family(family, gm, n_gpus, hw, train, budget, time_limit_s) for family in _BASELINE_FAMILIES]
-
-
 def _price_family(family, gm, n_gpus, hw, train, budget, time_limit_s) -> BaselineResult:
     fam_best = search_quiet(gm, _family_meshes(family, n_gpus, hw), hw, train, budget, time_limit_s)
     if fam_best is None:
