@@ -124,10 +124,10 @@ def _price_submesh(pieces, p: int, mesh: MeshSpec, n_blocks: int, hw: Hardware, 
         mid = solve(pieces[1])  # first: where it prunes, the end pieces are never built
         send, grad = boundary_bytes(pieces[0], train)
         floor = costs(mid, regathers=False).scale(1.0 / (n_blocks - 2))
+        block = costs(mid).scale(1.0 / (n_blocks - 2))
         if incumbent_s < float("inf"):
             # the end pieces as the search composes them (each less one block, clipped at zero),
             # bounded without planning them: their least compute less the middle's block
-            block = costs(mid).scale(1.0 / (n_blocks - 2))
             ends = tuple(least_compute(pieces[k], mesh.n_devices, hw, train) - block for k in (0, 2))
             bound = _middle_bound(floor, p, mesh, n_blocks, send, grad, batch, hw, prefix, ends)
             if bound >= incumbent_s:
@@ -135,8 +135,7 @@ def _price_submesh(pieces, p: int, mesh: MeshSpec, n_blocks: int, hw: Hardware, 
         plans = [solve(pieces[0]), mid, solve(pieces[2])]
     except AutoparError:  # the batch does not divide on this mesh, or the like
         return None
-    first, middle, last = (costs(plan) for plan in plans)
-    block = middle.scale(1.0 / (n_blocks - 2))
+    first, last = costs(plans[0]), costs(plans[2])
     nodes = tuple(n for p in plans for n in p.nodes)
     tied = sum(_weight_bytes(pieces[0], target) for target, stages in pieces.tied.items() if 2 in stages)
     grad_t = tuple(backward_transient_peaks(p.problem, p.choice) for p in plans)
