@@ -1,54 +1,39 @@
-r"""The strategy ILP: one option per decision, minimum step time, under a memory budget.
+"""The strategy ILP solved: one option per decision, minimum step time, under a memory budget
+(the model, its rows and its solvers: ``cost_model.ilp_model``).
 
-Variables (see ``cost_model.problem`` for where the numbers come from):
-
-* :math:`x_{d,i} \in \{0,1\}`: decision *d* takes option *i* (a strategy, and for parameters
-  the ZeRO axes);
-* :math:`e_{t,a,b} \in [0,1]`: on edge *t*, the producer's output has layout *a* and the
-  consumer needs layout *b* (continuous; integral once *x* is);
-* :math:`z_{g} \in [0,1]`: gradient all-reduce *g* is paid.
-
-Objective (seconds per step)::
-
-    min  sum_{d,i} T_{d,i} x_{d,i}  +  sum_{t,a,b} R_{t,a,b} e_{t,a,b}  +  sum_g C_g z_g
-
-Constraints, each added by the function named:
-
-* ``one_option``     (:func:`_add_decisions`): sum_i x_{d,i} = 1 for every decision d;
-* ``edge_out``/``edge_in`` (:func:`_add_edges`): sum_b e_{t,a,b} = sum_{i: out(i)=a} x_{u,i} and
-  sum_a e_{t,a,b} = sum_{i: in(i)=b} x_{v,i}: the edge's layout pair agrees with both ends;
-* ``sync``           (:func:`_add_syncs`): z_g >= sum_{i in T_{g,d}} x_{d,i} - sum_{j in Z_g} x_{p,j}
-  for every decision d, T_{g,d} its options that make the gradient partial, and Z_g the ZeRO-2
-  options of the gradient's parameter p on g's axis (they reduce-scatter it instead, at their
-  own price);
-* ``recompute``      (:func:`_add_recompute`): r_k in {0,1} recomputes block run k; w_{d,i} =
-  x_{d,i} r_k for its decisions (sum_i w_{d,i} = r_k, w_{d,i} <= x_{d,i}) and edges, costing the
-  forward again (F_{d,i} w_{d,i}) and saving activation memory (-S_{d,i} w_{d,i} in ``memory``);
-  ``recompute_one``: under ``recompute="auto"`` a run has two terms (the whole block, its attention
-  segment) and sum_k r_k <= 1 over them;
-* ``memory``         (:func:`_add_memory`): sum_{d,i} M_{d,i} x_{d,i} - sum S w <= budget bytes;
-* ``host_memory``    (:func:`_add_host_memory`, offload only): sum_{d,i} H_{d,i} x_{d,i} <= host bytes.
-
-The model is built once as a sparse matrix (:class:`_Model`) and handed to HiGHS through
-``highspy`` directly; PuLP with CBC is the fallback. (Building the same model through PuLP's
-expression objects took 2 s of the 5 s budget for GPT-2 on 8 devices, so the default path does
-not use them.) Every solve reports its status, seconds, objective and a lower bound (HiGHS's
-MIP dual bound; with CBC the objective of the LP relaxation), so each plan carries its gap.
+``solve`` branches on the recompute choices first. Under ``recompute="auto"`` a run of blocks is
+recomputed or not by a binary r (``ilp_model``'s ``recompute`` rows), and the LP relaxation mixes
+the two: it takes part of the memory a plan without recompute needs and part of the compute a
+plan with it pays. Where keeping every activation does not fit, that mix is no plan at all, and
+the LP bound was far below every plan: GPT-3 175B at batch 1536 on 1024 A100s, m0=128,m1=4,m2=2,
+bounded 22.1 s with r free, 26.2 s with r = 1, while the best plan takes 26.5 s. So ``solve``
+lists the recompute choices (each run: none, or one of its terms; ``recompute_branches``), drops
+those whose least memory is over the budget (no LP needed: the same 175B mesh needs 111 GiB
+without recompute and 85 GiB with attention-only recompute, 80 GiB budget), and solves each
+remaining choice with its r fixed: the LP bound of a mesh is the least over the choices, and the
+ILPs run in order of those bounds until the next bound is no better than the best plan. With r
+fixed, every mesh of that 175B search but two is bounded above the best plan (27.6-74.6 s,
+against 22.1-62.3 s with r free), and the best mesh's ILP takes 6 s where the ILP with r free
+ran to its 20 s time limit with a 16.6% gap.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from autopar.errors import AutoparError, format_bytes
 
+from .ilp_model import MEMORY_SCALE, TIME_SCALE, Built, build_model, solve_cbc, solve_highs
 from .problem import Problem
 from .stage_weights import ilp_problem
 
-__all__ = ["SolveResult", "LPDuals", "InfeasibleBudgetError", "solve", "min_memory_bytes"]
+__all__ = ["SolveResult", "LPDuals", "InfeasibleBudgetError", "solve", "min_memory_bytes", "recompute_branches"]
+
 
 
 class InfeasibleBudgetError(AutoparError):
@@ -91,318 +76,56 @@ class SolveResult:
             return 0.0 if self.objective_s <= 0 else float("nan")
         return max(0.0, (self.objective_s - self.lower_bound_s) / self.objective_s)
 
-
-# The model is built in microseconds and MiB: in seconds and bytes, costs of 1e-9 would sit
-# under the solvers' tolerances (HiGHS's absolute MIP gap is 1e-6 and its dual feasibility
-# tolerance 1e-7), and it stopped short of the optimum on small graphs.
-_TIME_SCALE = 1e6
-_MEMORY_SCALE = 1.0 / 2**20
-
-
-@dataclass
-class _Model:
-    """Columns (cost, bounds, integrality) and rows (bounds, coefficients) of the ILP."""
-
-    cost: list[float] = field(default_factory=list)
-    upper: list[float] = field(default_factory=list)
-    integer: list[bool] = field(default_factory=list)
-    row_lower: list[float] = field(default_factory=list)
-    row_upper: list[float] = field(default_factory=list)
-    # what each row is, e.g. "one_option[linear]" or ("edge_out", producer, consumer, layout): edge
-    # rows keep their parts unformatted (formatting their layouts cost more than the rest of a row)
-    row_names: list = field(default_factory=list)
-    # the coefficients: entry k is (entry_rows[k], entry_cols[k], entry_values[k]), rows in order
-    entry_rows: list[int] = field(default_factory=list)
-    entry_cols: list[int] = field(default_factory=list)
-    entry_values: list[float] = field(default_factory=list)
-
-    def col(self, cost_s: float, integer: bool = False) -> int:
-        self.cost.append(cost_s * _TIME_SCALE)
-        self.upper.append(1.0)
-        self.integer.append(integer)
-        return len(self.cost) - 1
-
-    def cols(self, costs_s) -> int:
-        """Continuous columns of ``costs_s``, in order; returns the first one's index."""
-        first = len(self.cost)
-        self.cost.extend(c * _TIME_SCALE for c in costs_s)
-        n = len(self.cost) - first
-        self.upper.extend([1.0] * n)
-        self.integer.extend([False] * n)
-        return first
-
-    def row(self, name: "str | tuple", coeffs: list[tuple[int, float]], lower: float, upper: float) -> None:
-        self.row_of(name, [c for c, _ in coeffs], [v for _, v in coeffs], lower, upper)
-
-    def row_of(self, name: "str | tuple", cols: list[int], values: list[float], lower: float, upper: float) -> None:
-        """A row whose coefficients are ``values`` on ``cols``."""
-        r = len(self.row_lower)
-        self.row_lower.append(lower)
-        self.row_upper.append(upper)
-        self.row_names.append(name)
-        self.entry_rows.extend([r] * len(cols))
-        self.entry_cols.extend(cols)
-        self.entry_values.extend(values)
-
-    @property
-    def entries(self) -> list[tuple[int, int, float]]:
-        """(row, column, value) of every coefficient."""
-        return list(zip(self.entry_rows, self.entry_cols, self.entry_values))
-
-    def sorted_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rows, columns, values) in the order ``sorted(self.entries)`` gives, by numpy."""
-        rows = np.asarray(self.entry_rows, dtype=np.int64)
-        cols = np.asarray(self.entry_cols, dtype=np.int64)
-        vals = np.asarray(self.entry_values, dtype=np.float64)
-        order = np.lexsort((vals, cols, rows))
-        return rows[order], cols[order], vals[order]
+# At most this many recompute choices are branched on (3 per run of blocks under "auto": none,
+# the whole block, its attention); a model with more runs is solved with r free, as before.
+_MAX_BRANCHES = 9
+# The relative gap at which a large ILP (over ``_LARGE_COLUMNS`` columns) with its recompute choice
+# fixed stops; 1e-4 elsewhere. On the 175B mesh above (23,419 columns), HiGHS finds the best plan
+# in 5 s and needs 11 s more to close the last 1% (its root bound 26.23 s against the plan's
+# 26.50 s) at 1e-4; the plan reports its gap. Small ILPs take well under a second to solve
+# exactly, and their plans stay exact: on gpt-longseq under a 3.5 MB budget (524 columns), a plan
+# within 1% but without recompute walks over the budget, where the exact one recomputes attention.
+_BRANCH_REL_GAP, _LARGE_COLUMNS = 0.01, 5000
 
 
-def _add_decisions(m: _Model, problem: Problem) -> dict[str, list[int]]:
-    x = {}
-    for key, d in problem.decisions.items():
-        x[key] = [m.col(s, integer=True) for s in d.seconds]
-        m.row(f"one_option[{key}]", [(c, 1.0) for c in x[key]], 1.0, 1.0)
-    return x
-
-
-def _classes(layouts: list) -> tuple[list, list[int], dict[int, int]]:
-    """The equality classes of ``layouts`` in order of first appearance, each as its first
-    layout (what dict keys by equality would keep); per layout, its class; id -> class. Each
-    distinct object is hashed once (a Layout's hash is Python code; ids hash in C)."""
-    ids = list(map(id, layouts))
-    reps: list = []
-    by_eq: dict = {}
-    by_id: dict[int, int] = {}
-    for i, layout in dict(zip(ids, layouts)).items():  # distinct objects, first appearance first
-        g = by_eq.get(layout)
-        if g is None:
-            g = by_eq[layout] = len(reps)
-            reps.append(layout)
-        by_id[i] = g
-    return reps, [by_id[i] for i in ids], by_id
-
-
-def _add_edges(m: _Model, problem: Problem, x, cols: dict | None = None) -> list[tuple[int, float]]:
-    """The edge variables and rows; returns (column, bytes) of pairings that hold memory, and
-    fills ``cols`` (edge index -> (its layout pairs, the first pair's column; the others follow))."""
-    memory = []
-    for idx, edge in enumerate(problem.edges):
-        if not any(edge.seconds.values()) and not any(edge.memory.values()):
-            continue  # every pairing is free: no variables needed
-        pairs = list(edge.seconds)
-        first = m.cols(edge.seconds.values())
-        if cols is not None and pairs:
-            cols[idx] = (pairs, first)
-        if edge.memory:
-            for k, ab in enumerate(pairs):
-                if edge.memory.get(ab):
-                    memory.append((first + k, edge.memory[ab]))
-        # one row per distinct producer layout (edge_out), then per consumer layout (edge_in):
-        # the pairs' columns with that layout, then the options that give or need it
-        for kind, side, decision, layouts in (("edge_out", 0, edge.producer, edge.producer_layouts),
-                                              ("edge_in", 1, edge.consumer, edge.consumer_layouts)):
-            reps, of_pair, by_id = _classes([ab[side] for ab in pairs])
-            rows: list[list[int]] = [[] for _ in reps]
-            for k, g in enumerate(of_pair):
-                rows[g].append(first + k)
-            ones = [len(r) for r in rows]
-            for i, layout in enumerate(layouts):
-                g = by_id.get(id(layout))
-                rows[reps.index(layout) if g is None else g].append(x[decision][i])
-            for layout, row, n in zip(reps, rows, ones):
-                m.row_of((kind, edge.producer, edge.consumer, layout), row, [1.0] * n + [-1.0] * (len(row) - n),
-                         0.0, 0.0)
-    return memory
-
-
-def _add_syncs(m: _Model, problem: Problem, x) -> None:
-    for sync in problem.syncs:
-        if sync.seconds <= 0:
-            continue
-        z = m.col(sync.seconds)
-        # z >= sum of a decision's triggering options: they exclude each other, so this is
-        # valid, and tighter than one row per option.
-        by_decision: dict[str, list[int]] = {}
-        for key, i in sync.triggers:
-            by_decision.setdefault(key, []).append(i)
-        # A ZeRO-2 option of the parameter on this axis reduce-scatters the gradient instead
-        # (priced with that option): it releases z.
-        zero = ([(x[sync.param][j], 1.0) for j, (_, axes) in enumerate(problem.decisions[sync.param].options)
-                 if sync.axis in axes] if sync.param else [])
-        for key, options in by_decision.items():
-            m.row(f"sync[{sync.tensor}@{sync.axis}]", [(z, 1.0)] + [(x[key][i], -1.0) for i in options] + zero,
-                  0.0, float("inf"))
-
-
-def _add_recompute(m: _Model, problem: Problem, x, edge_cols: dict) -> tuple[dict[str, int], list]:
-    """Recompute of block runs (``cost_model.recompute``): a binary r per run; for each of its
-    decisions d, w_{d,i} = x_{d,i} r by ``sum_i w_{d,i} = r`` and ``w_{d,i} <= x_{d,i}``
-    (rows ``recompute[...]``), the same over the layout pairs of its edges; w pays the forward
-    again and releases the saved activation bytes in the memory row. Returns r's columns and
-    the (column, -bytes) memory terms."""
-    r_cols, memory = {}, []
-
-    def product(name: str, r: int, gates: list[int], per_gate: list[tuple[float, float]]) -> None:
-        per_gate = per_gate[:len(gates)]  # one w per (gate, terms) pair, as zip pairs them
-        ws = range(first := m.cols([extra_s for extra_s, _ in per_gate]), first + len(per_gate))
-        le = f"recompute_le[{name}]"
-        for w, gate, (_, saved_bytes) in zip(ws, gates, per_gate):
-            m.row_of(le, [w, gate], [1.0, -1.0], -float("inf"), 0.0)
-            if saved_bytes:
-                memory.append((w, -saved_bytes))
-        m.row_of(f"recompute[{name}]", [*ws, r], [1.0] * len(ws) + [-1.0], 0.0, 0.0)
-
-    runs: dict[str, list[int]] = {}
+def recompute_branches(problem: Problem) -> list[frozenset[str]]:
+    """The choices of the ILP's free recompute terms (``pinned is None``), each as the set of
+    term keys on: per run of blocks, none or one of its terms (``recompute_one``). Empty where
+    there is nothing to branch on, or more than ``_MAX_BRANCHES`` choices."""
+    runs: dict[str, list[str]] = {}
     for term in problem.recompute:
-        r = r_cols[term.key] = m.col(0.0, integer=True)
-        runs.setdefault(term.prefix.partition(":")[0], []).append(r)
-        if term.pinned is not None:
-            m.row(f"recompute_pin[{term.prefix}]", [(r, 1.0)], float(term.pinned), float(term.pinned))
-        for key, per_option in term.decisions.items():
-            if any(extra or saved for extra, saved, _ in per_option):
-                product(f"{term.prefix}:{key}", r, x[key], [(extra, saved) for extra, saved, _ in per_option])
-        for idx, pairs in term.edges.items():
-            if idx not in edge_cols:
-                continue
-            edge_pairs, first = edge_cols[idx]
-            gates = list(range(first, first + len(edge_pairs)))
-            per_gate = [pairs.get(ab, (0.0, 0.0, []))[:2] for ab in edge_pairs]
-            product(f"{term.prefix}:edge{idx}", r, gates, per_gate)
-    for run, cols in runs.items():  # "auto": a run's whole block or its attention segment, not both
-        if len(cols) > 1:
-            m.row(f"recompute_one[{run}]", [(c, 1.0) for c in cols], 0.0, 1.0)
-    return r_cols, memory
+        if term.pinned is None:
+            runs.setdefault(term.prefix.partition(":")[0], []).append(term.key)
+    if not runs:
+        return []
+    choices = [frozenset(k for k in picks if k is not None)
+               for picks in itertools.product(*([None, *keys] for keys in runs.values()))]
+    return choices if len(choices) <= _MAX_BRANCHES else []
 
 
-def _add_memory(m: _Model, problem: Problem, x, budget_bytes: float | None,
-                edge_memory: list[tuple[int, float]] = ()) -> None:
-    if budget_bytes is None:
-        return
-    coeffs = [(x[k][i], mem * _MEMORY_SCALE) for k, d in problem.decisions.items()
-              for i, mem in enumerate(d.memory_bytes) if mem]
-    coeffs += [(col, mem * _MEMORY_SCALE) for col, mem in edge_memory]
-    m.row("memory", coeffs, -float("inf"), budget_bytes * _MEMORY_SCALE)
-
-
-def _add_host_memory(m: _Model, problem: Problem, x) -> None:
-    """ZeRO-Offload: the host bytes of the parameters' options under the host's memory."""
-    if problem.host is None:
-        return
-    coeffs = [(x[k][i], b * _MEMORY_SCALE) for k, per_option in problem.host.per_option.items()
-              for i, b in enumerate(per_option) if b]
-    m.row("host_memory", coeffs, -float("inf"), problem.host.budget_bytes * _MEMORY_SCALE)
-
-
-def min_memory_bytes(problem: Problem) -> float:
-    """A lower bound on any plan's memory: the least memory option of every decision (less
-    what recomputing its block would save)."""
+def min_memory_bytes(problem: Problem, on: frozenset[str] | None = None) -> float:
+    """A lower bound on any plan's memory: the least memory option of every decision, less what
+    the recompute terms ``on`` (and the pinned ones) save; ``on=None``: with any choice of terms."""
+    if on is None:
+        branches = recompute_branches(problem)
+        if branches:
+            return min(min_memory_bytes(problem, b) for b in branches)
+        on = frozenset(t.key for t in problem.recompute)  # every term's saving: still a lower bound
     saved: dict[str, list[float]] = {}
     for term in problem.recompute:
-        for key, per_option in term.decisions.items():
-            saved[key] = [s for _, s, _ in per_option]
+        if term.pinned or term.key in on:
+            for key, per_option in term.decisions.items():
+                mine = [s for _, s, _ in per_option]
+                saved[key] = [max(a, b) for a, b in zip(saved[key], mine)] if key in saved else mine
     return sum(min(m - s for m, s in zip(d.memory_bytes, saved.get(k, [0.0] * len(d.memory_bytes))))
                for k, d in problem.decisions.items())
 
 
-_BANNER_SHOWN = [False]
-
-
-def _new_highs(highspy):
-    """A Highs instance. The first one of a process prints HiGHS's banner on stdout before any
-    option can silence it; that stdout is the user's report (or their JSON), so it goes to
-    /dev/null for that moment."""
-    if _BANNER_SHOWN[0]:
-        return highspy.Highs()
-    import os
-    import sys
-
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 1)
-            h = highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-    _BANNER_SHOWN[0] = True
-    return h
-
-
-def _solve_highs(m: _Model, time_limit_s: float, relax: bool = False, presolve: bool = True
-                 ) -> tuple[str, np.ndarray | None, float, float, np.ndarray | None]:
-    import highspy
-
-    h = _new_highs(highspy)
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", float(time_limit_s))
-    h.setOptionValue("threads", 1)
-    h.setOptionValue("mip_rel_gap", 1e-4)
-    if not presolve:
-        h.setOptionValue("presolve", "off")
-    n = len(m.cost)
-    inf = highspy.kHighsInf
-    h.addCols(n, np.asarray(m.cost), np.zeros(n), np.asarray(m.upper), 0, np.array([], dtype=np.int32),
-              np.array([], dtype=np.int32), np.array([]))
-    ints = np.flatnonzero(np.asarray(m.integer) & (not relax)).astype(np.int32)
-    if len(ints):
-        h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
-    rows, cols, vals = m.sorted_entries()
-    starts = np.searchsorted(rows, np.arange(len(m.row_lower))).astype(np.int32)
-    h.addRows(len(m.row_lower), np.clip(np.asarray(m.row_lower), -inf, inf), np.clip(np.asarray(m.row_upper), -inf, inf),
-              len(rows), starts, cols.astype(np.int32), vals)
-    h.run()
-    status = h.modelStatusToString(h.getModelStatus())
-    info = h.getInfo()
-    if status in ("Infeasible", "Primal infeasible or unbounded"):
-        return "Infeasible", None, float("nan"), float("nan"), None
-    if info.primal_solution_status == 0:  # no feasible point found in time
-        return status, None, float("nan"), float("nan"), None
-    solution = h.getSolution()
-    values = np.asarray(solution.col_value)
-    duals = np.asarray(solution.row_dual) if relax and status == "Optimal" and solution.dual_valid else None
-    objective = float(info.objective_function_value)
-    bound = objective if relax else float(info.mip_dual_bound)
-    if not (bound == bound and abs(bound) < 1e30):
-        bound = objective if status == "Optimal" else float("nan")
-    return ("Optimal" if status == "Optimal" else status), values, objective, min(bound, objective), duals
-
-
-def _solve_cbc(m: _Model, time_limit_s: float, relax: bool = False, presolve: bool = True
-               ) -> tuple[str, np.ndarray | None, float, float, np.ndarray | None]:
-    # ``presolve`` is HiGHS's option (``solve``'s doc); CBC takes it for the common signature and ignores it
-    import pulp
-
-    def build(relax: bool):
-        prob = pulp.LpProblem("autopar_strategy", pulp.LpMinimize)
-        cols = [pulp.LpVariable(f"c{i}", 0, ub, cat="Continuous" if (relax or not integer) else "Integer")
-                for i, (ub, integer) in enumerate(zip(m.upper, m.integer))]
-        prob.setObjective(pulp.LpAffineExpression([(v, c) for v, c in zip(cols, m.cost) if c]))
-        rows: dict[int, list] = {}
-        for r, c, v in m.entries:
-            rows.setdefault(r, []).append((cols[c], v))
-        for r, coeffs in rows.items():
-            expr = pulp.LpAffineExpression(coeffs)
-            lo, up = m.row_lower[r], m.row_upper[r]
-            if lo == up:
-                prob += expr == lo
-            else:
-                if lo > -float("inf"):
-                    prob += expr >= lo
-                if up < float("inf"):
-                    prob += expr <= up
-        return prob, cols
-
-    prob, cols = build(relax=relax)
-    status = pulp.LpStatus[prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=int(max(1, time_limit_s))))]
-    if status == "Infeasible":
-        return "Infeasible", None, float("nan"), float("nan"), None
-    values = np.array([v.value() or 0.0 for v in cols])
-    objective = float(prob.objective.value() or 0.0)
-    relaxed, _ = build(relax=True)
-    relaxed.solve(pulp.PULP_CBC_CMD(msg=False))
-    return status, values, objective, min(float(relaxed.objective.value() or 0.0), objective), None
+def _over_budget(budget: float | None, need: float, why: str = "") -> InfeasibleBudgetError:
+    return InfeasibleBudgetError(
+        f"no plan fits the memory budget of {format_bytes(budget)} per device: the smallest any plan needs is "
+        f"{format_bytes(need)}{why}; raise the budget to at least that, use more devices, or shrink the batch "
+        f"or sequence", need)
 
 
 def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: str = "highs",
@@ -414,30 +137,99 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     several tie (so another plan of equal objective where the LP is integral)."""
     t0 = time.perf_counter()
     problem = ilp_problem(problem)  # a pipeline stage weighs a step of m micro-batches (stage_weights.py)
-    if memory_budget_bytes is not None and (need := min_memory_bytes(problem)) > memory_budget_bytes:
+    budget = memory_budget_bytes
+    branches = recompute_branches(problem)
+    needs = {b: min_memory_bytes(problem, b) for b in branches} or {None: min_memory_bytes(problem)}
+    fits = [b for b, need in needs.items() if budget is None or need <= budget]
+    if not fits:
         # Every plan needs at least the least-memory option of each decision: infeasible without
         # asking HiGHS, which on huge meshes (GPT-3 175B on m0=1024) stopped with 'Solve error'.
-        raise InfeasibleBudgetError(
-            f"no plan fits the memory budget of {format_bytes(memory_budget_bytes)} per device: the smallest "
-            f"any plan needs is {format_bytes(need)}; raise the budget to at least that, use more devices, or "
-            f"shrink the batch or sequence", need)
-    m = _Model()
-    x = _add_decisions(m, problem)
-    edge_cols: dict = {}
-    edge_memory = _add_edges(m, problem, x, edge_cols)
-    _add_syncs(m, problem, x)
-    r_cols, recompute_memory = _add_recompute(m, problem, x, edge_cols)
-    memory_rows = [len(m.row_lower)]
-    _add_memory(m, problem, x, memory_budget_bytes, edge_memory + recompute_memory)
-    memory_rows.append(len(m.row_lower))
-    _add_host_memory(m, problem, x)
-    memory_rows.append(len(m.row_lower))
-    backends = {"highs": _solve_highs, "cbc": _solve_cbc}
+        raise _over_budget(budget, min(needs.values()))
+    built = build_model(problem, budget)
+
+    def one(on, lp: bool, limit: float, **options) -> tuple[SolveResult, np.ndarray]:
+        options.setdefault("presolve", presolve)
+        return _solve_once(built, problem, budget, solver, limit, lp, t0, on, **options)
+
+    if not branches:
+        return one(None, relax, time_limit_s)[0]
+    if not relax and len(fits) == 1:  # one choice fits: its ILP at once
+        return one(fits[0], False, time_limit_s, **_branch_ilp_options(built))[0]
+    if relax and len(fits) > 1:
+        free, values = one(None, True, time_limit_s)
+        r = values[list(built.recompute.values())]
+        if np.all(np.minimum(r, 1 - r) < 1e-6):
+            return free  # r integral with r free: no choice's LP is lower
+    lps = sorted(_branch_lps(one, fits, time_limit_s), key=lambda pair: pair[0].objective_s)
+    if not lps:
+        raise _over_budget(budget, min(needs.values()), " (constraint 'memory' binds)")
+    if relax:
+        return lps[0][0]
+    return _branch_ilps(one, built, lps, t0 + time_limit_s)
+
+
+def _branch_ilp_options(built: Built) -> dict:
+    """HiGHS's options for an ILP with its recompute choice fixed: no presolve (on the 175B mesh
+    above, presolve took 6.2 s of such an ILP and 0.4 s without; the same plan), and the gap of
+    ``_BRANCH_REL_GAP`` where the model is large."""
+    large = len(built.model.cost) > _LARGE_COLUMNS
+    return dict(presolve=False, rel_gap=_BRANCH_REL_GAP if large else 1e-4)
+
+
+def _branch_lps(one, fits, time_limit_s: float) -> list[tuple[SolveResult, frozenset[str]]]:
+    """Each recompute choice's LP relaxation with its r fixed, and the choice (infeasible ones
+    left out)."""
+    out = []
+    for on in fits:
+        try:
+            lp, _ = one(on, True, time_limit_s)
+        except InfeasibleBudgetError:
+            continue
+        out.append((dataclasses.replace(lp, duals=None), on))  # one choice's duals do not price the others
+    return out
+
+
+def _branch_ilps(one, built: Built, lps: list[tuple[SolveResult, frozenset[str]]], deadline: float) -> SolveResult:
+    """The ILPs of the recompute choices in order of their LP bounds (``lps``), each with its r
+    fixed, until the next bound is no better than the best plan. The lower bound is the least
+    over the choices: a choice's ILP dual bound where it ran, else its LP bound."""
+    best, lower, status = None, float("inf"), "Optimal"
+    options = _branch_ilp_options(built)
+    for lp, on in lps:
+        if best is not None and lp.objective_s >= best.objective_s * (1 - 1e-9):
+            lower = min(lower, lp.objective_s)
+            break  # no later choice can beat the best plan
+        left = deadline - time.perf_counter()
+        try:
+            if left <= 0:
+                raise AutoparError("the time limit ran out before this choice's ILP")
+            got = lp if lp.integral else one(on, False, left, **options)[0]
+        except InfeasibleBudgetError:
+            continue
+        except AutoparError:  # stopped before a plan: the choice keeps its LP bound
+            lower, status = min(lower, lp.objective_s), "Time limit reached"
+            continue
+        lower = min(lower, got.lower_bound_s)
+        if got.status != "Optimal":
+            status = got.status
+        if best is None or got.objective_s < best.objective_s:
+            best = got
+    if best is None:
+        raise AutoparError("the ILP solver stopped before finding any plan; raise the time limit")
+    return dataclasses.replace(best, lower_bound_s=min(lower, best.objective_s), status=status, duals=None)
+
+
+def _solve_once(built: Built, problem: Problem, budget: float | None, solver: str, time_limit_s: float,
+                relax: bool, t0: float, on: frozenset[str] | None = None, presolve: bool = True,
+                rel_gap: float = 1e-4) -> tuple[SolveResult, np.ndarray]:
+    """One solve of the model, the recompute terms' r fixed to ``on`` (None: free)."""
+    fixed = None if on is None else {col: float(key in on) for key, col in built.recompute.items()}
+    backends = {"highs": solve_highs, "cbc": solve_cbc}
     order = [solver] + [s for s in backends if s != solver]
     result, used, errors = None, None, []
     for name in order:
         try:
-            result = backends[name](m, time_limit_s, relax, presolve)
+            result = backends[name](built.model, time_limit_s, relax, presolve, fixed=fixed, rel_gap=rel_gap)
             used = name
             break
         except ImportError as exc:  # highspy missing: CBC takes over
@@ -446,22 +238,19 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
         raise AutoparError(f"no ILP solver worked ({'; '.join(errors)}); install highspy or PuLP")
     status, values, objective, bound, duals = result
     if status == "Infeasible":
-        need = min_memory_bytes(problem)
-        raise InfeasibleBudgetError(
-            f"no plan fits the memory budget of {format_bytes(memory_budget_bytes)} per device: the smallest "
-            f"any plan needs is {format_bytes(need)} (constraint 'memory' binds); raise the budget to at "
-            f"least that, use more devices, or shrink the batch or sequence", need)
+        raise _over_budget(budget, min_memory_bytes(problem, on), " (constraint 'memory' binds)")
     if values is None:
         raise AutoparError(f"the ILP solver stopped with status {status!r} before finding any plan; "
                            f"raise the time limit")
-    objective, bound = objective / _TIME_SCALE, bound / _TIME_SCALE
-    choice = {k: int(np.argmax(values[cols])) for k, cols in x.items()}
-    choice.update({k: int(values[c] > 0.5) for k, c in r_cols.items()})  # recompute of block runs
+    m = built.model
+    objective, bound = objective / TIME_SCALE, bound / TIME_SCALE
+    choice = {k: int(np.argmax(values[cols])) for k, cols in built.x.items()}
+    choice.update({k: int(values[c] > 0.5) for k, c in built.recompute.items()})  # recompute of block runs
     integral = bool(np.all(np.minimum(values[m_int := np.asarray(m.integer)], 1 - values[m_int]) < 1e-6))
     if relax and integral:
         status = "Optimal"  # an integral LP optimum is the ILP optimum: no branching needed
     lp_duals = None if duals is None else LPDuals(*(
-        float(duals[start]) / _TIME_SCALE * _MEMORY_SCALE if end > start else 0.0
-        for start, end in zip(memory_rows, memory_rows[1:])))
-    return SolveResult(choice, objective, bound, status, used, time.perf_counter() - t0,
-                       len(m.cost), len(m.row_lower), integral, lp_duals)
+        float(duals[start]) / TIME_SCALE * MEMORY_SCALE if end > start else 0.0
+        for start, end in zip(built.memory_rows, built.memory_rows[1:])))
+    return SolveResult(choice, objective, bound, status, used, time.perf_counter() - t0, len(m.cost),
+                       len(m.row_lower), integral, lp_duals), values

@@ -132,6 +132,29 @@ def test_a_re_solve_stopped_by_the_clock_is_not_a_plan(monkeypatch, auto_under_3
         mesh_search.solve_mesh(problem, budget, 60.0, first=first)
 
 
+def test_the_solver_branches_on_the_recompute_choices():
+    # Under 2.8 MB no plan keeps every activation (3.11 MB at the least). The LP with r free
+    # mixes such a plan with one that recomputes (r = 0.35) and bounds 0.808 ms, under every plan;
+    # solved per recompute choice with r fixed, the bound is the ILP's optimum (0.9155 ms). The
+    # ILP over the choices must equal the ILP with r free solved exactly.
+    from autopar.cost_model import ilp, ilp_model
+    from autopar.cost_model.stage_weights import ilp_problem
+
+    budget = LONGSEQ_AUTO["memory_budget_bytes"]
+    problem = ilp_problem(_plan("gpt-longseq", **LONGSEQ_AUTO).problem)
+    branches = ilp.recompute_branches(problem)
+    assert sorted(map(sorted, branches)) == [[], ["recompute[blocks:attn]"], ["recompute[blocks]"]]
+    assert ilp.min_memory_bytes(problem, frozenset()) > budget  # keeping everything cannot fit
+    built = ilp_model.build_model(problem, budget)
+    free_lp = ilp_model.solve_highs(built.model, 60, relax=True)[2] / ilp_model.TIME_SCALE
+    free_ilp = ilp_model.solve_highs(built.model, 60)[2] / ilp_model.TIME_SCALE
+    bound = ilp.solve(problem, budget, relax=True).objective_s
+    assert free_lp < 0.95 * bound and bound <= free_ilp * (1 + 1e-6), (free_lp, bound, free_ilp)
+    got = ilp.solve(problem, budget)
+    assert got.objective_s == pytest.approx(free_ilp, rel=2e-4) and got.lower_bound_s <= free_ilp * (1 + 1e-6)
+    assert got.choice["recompute[blocks]"] == 1
+
+
 def test_auto_offloads_only_the_groups_the_budget_needs():
     budget = PARTIAL_OFFLOAD[1]["memory_budget_bytes"]
     opts = {k: v for k, v in PARTIAL_OFFLOAD[1].items() if k not in ("offload", "memory_budget_bytes")}

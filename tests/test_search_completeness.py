@@ -128,8 +128,8 @@ def test_a_budget_under_every_plans_least_memory_never_reaches_the_solver(monkey
     def no_solver(*a, **kw):
         raise AssertionError("HiGHS was asked although no plan can fit")
 
-    monkeypatch.setattr(ilp, "_solve_highs", no_solver)
-    monkeypatch.setattr(ilp, "_solve_cbc", no_solver)
+    monkeypatch.setattr(ilp, "solve_highs", no_solver)
+    monkeypatch.setattr(ilp, "solve_cbc", no_solver)
     with pytest.raises(InfeasibleBudgetError, match="smallest any plan needs") as err:
         solve(problem, need * 0.99)
     assert err.value.need_bytes == pytest.approx(need)
