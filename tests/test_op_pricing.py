@@ -80,3 +80,35 @@ def test_a_matmul_backward_costs_the_calibrated_ratio_of_its_forward():
                 assert bwd == pytest.approx(ratio * fwd if n.target in (aten.mm.default, aten.matmul.default) else fwd), n.target
     with pytest.raises(HardwareError, match="backward_ratio"):
         dataclasses.replace(get_hardware("cpu"), backward_ratio=0.0)
+
+
+def test_saved_facts_shared_by_signature_equal_each_nodes_own_meta_run():
+    # repeated blocks share one meta run per op (saved_inputs._signature); the facts must be what
+    # each node's own run gives, for every op of a GPT, with and without gradients wanted
+    from autopar.cost_model import saved_inputs
+    from autopar.models import get_model
+
+    model, inputs = get_model("gpt2", device="meta")
+    gm = trace(model, inputs, stack_traces=False, repeat_blocks=True)
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for needs in ({n.name: True for n in gm.graph.nodes},
+                  {n.name: not n.name.startswith("p_") for n in gm.graph.nodes}):  # weights frozen
+        saved_inputs._BY_SIGNATURE.clear()
+        got = [saved_inputs.saved_facts(n, needs) for n in ops]
+        assert len(saved_inputs._BY_SIGNATURE) < len(ops) / 5  # shared across the 12 blocks
+        for n in ops:
+            saved_inputs._SAVED.pop(n, None)  # the next pass asks anew
+        assert got == [saved_inputs._saved_facts(n, needs) for n in ops]
+
+    class TwoMatmuls(torch.nn.Module):  # the same op and shapes, one input wanting a gradient
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = torch.nn.Parameter(torch.ones(8, 8)), torch.nn.Parameter(torch.ones(8, 8))
+
+        def forward(self, x):
+            return torch.mm(torch.mm(x, self.w1), self.w2)  # x wants none, the inner product does
+
+    gm = trace(TwoMatmuls(), (torch.ones(4, 8),), stack_traces=False)
+    needs = {n.name: n.op != "placeholder" or n.name.startswith("p_") for n in gm.graph.nodes}
+    first, second = [saved_inputs.saved_facts(n, needs) for n in gm.graph.nodes if n.op == "call_function"]
+    assert first.inputs == {0} and second.inputs == {0, 1}  # mm keeps x for w1's grad; both for the second
