@@ -208,7 +208,8 @@ def plan(model: nn.Module | fx.GraphModule, n_gpus: int, example_inputs: Sequenc
                     best = fam_best
     else:
         baseline_results = []
-    annotate(gm, best.mesh)  # leave the graph annotated for the chosen mesh
+    if helper is not None or len(candidates) > 1:  # else the search annotated it for its one mesh last
+        annotate(gm, best.mesh)  # leave the graph annotated for the chosen mesh
     result = _to_plan(gm, best, hw, train, budget, strategy, baseline_results, n_gpus,
                       model_name or type(model).__name__, n_solved, time.perf_counter() - t0, search_note)
     if isinstance(offload, OffloadTargets):

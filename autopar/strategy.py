@@ -125,8 +125,13 @@ class Layout:
     def has_partial(self) -> bool:  # cached: the planner asks it of every strategy's inputs on every mesh
         return any(c in (PARTIAL_SUM_CODE, PARTIAL_AVG_CODE, OTHER_CODE) for c in self.codes)
 
-    def __str__(self) -> str:
+    @functools.cached_property
+    def text(self) -> str:
+        """``str(layout)``, made once: a plan names every node's layouts (~10^5 per pipeline search)."""
         return "".join(placement_str(p) for p in self.placements)
+
+    def __str__(self) -> str:
+        return self.text
 
     def __repr__(self) -> str:
         return f"Layout({', '.join(repr(p) for p in self.placements)})"
@@ -179,6 +184,6 @@ class Strategy:
         return Strategy(self.inputs, self.outputs, self.cost, technique)
 
     def __str__(self) -> str:
-        ins = ", ".join(str(l) for l in self.inputs)
-        outs = ", ".join(str(l) for l in self.outputs)
+        ins = ", ".join(l.text for l in self.inputs)
+        outs = ", ".join(l.text for l in self.outputs)
         return f"{ins} -> {outs}" if ins else f"-> {outs}"

@@ -10,11 +10,13 @@ bounded 22.1 s with r free, 26.2 s with r = 1, while the best plan takes 26.5 s.
 lists the recompute choices (each run: none, or one of its terms; ``recompute_branches``), drops
 those whose least memory is over the budget (no LP needed: the same 175B mesh needs 111 GiB
 without recompute and 85 GiB with attention-only recompute, 80 GiB budget), and solves each
-remaining choice with its r fixed: the LP bound of a mesh is the least over the choices, and the
+remaining choice with its r fixed, folded into the options' costs and memory (no r or w columns:
+``ilp_model._fold_recompute``): the LP bound of a mesh is the least over the choices, and the
 ILPs run in order of those bounds until the next bound is no better than the best plan. With r
 fixed, every mesh of that 175B search but two is bounded above the best plan (27.6-74.6 s,
-against 22.1-62.3 s with r free), and the best mesh's ILP takes 6 s where the ILP with r free
-ran to its 20 s time limit with a 16.6% gap.
+against 22.1-62.3 s with r free), the best mesh's model has 10,802 columns and 1,682 rows
+(23,419 and 14,362 with r free), and its ILP is optimal in 4-5 s where the ILP with r free ran to
+its 20 s time limit with a 16.6% gap.
 """
 
 from __future__ import annotations
@@ -79,15 +81,6 @@ class SolveResult:
 # At most this many recompute choices are branched on (3 per run of blocks under "auto": none,
 # the whole block, its attention); a model with more runs is solved with r free, as before.
 _MAX_BRANCHES = 9
-# The relative gap at which a large ILP (over ``_LARGE_COLUMNS`` columns) with its recompute choice
-# fixed stops; 1e-4 elsewhere. On the 175B mesh above (23,419 columns), HiGHS finds the best plan
-# in 5 s and needs 11 s more to close the last 1% (its root bound 26.23 s against the plan's
-# 26.50 s) at 1e-4; the plan reports its gap. Small ILPs take well under a second to solve
-# exactly, and their plans stay exact: on gpt-longseq under a 3.5 MB budget (524 columns), a plan
-# within 1% but without recompute walks over the budget, where the exact one recomputes attention.
-_BRANCH_REL_GAP, _LARGE_COLUMNS = 0.01, 5000
-
-
 def recompute_branches(problem: Problem) -> list[frozenset[str]]:
     """The choices of the ILP's free recompute terms (``pinned is None``), each as the set of
     term keys on: per run of blocks, none or one of its terms (``recompute_one``). Empty where
@@ -145,39 +138,31 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
         # Every plan needs at least the least-memory option of each decision: infeasible without
         # asking HiGHS, which on huge meshes (GPT-3 175B on m0=1024) stopped with 'Solve error'.
         raise _over_budget(budget, min(needs.values()))
-    built = build_model(problem, budget)
+    models: dict = {}  # recompute choice (None: r free) -> its model
 
     def one(on, lp: bool, limit: float, **options) -> tuple[SolveResult, np.ndarray]:
         options.setdefault("presolve", presolve)
-        return _solve_once(built, problem, budget, solver, limit, lp, t0, on, **options)
+        if on not in models:
+            models[on] = build_model(problem, budget, on)
+        return _solve_once(models[on], problem, budget, solver, limit, lp, t0, on, **options)
 
     if not branches:
         return one(None, relax, time_limit_s)[0]
-    if not relax and len(fits) == 1:  # one choice fits: its ILP at once
-        return one(fits[0], False, time_limit_s, **_branch_ilp_options(built))[0]
     if relax and len(fits) > 1:
         free, values = one(None, True, time_limit_s)
-        r = values[list(built.recompute.values())]
+        r = values[list(models[None].recompute.values())]
         if np.all(np.minimum(r, 1 - r) < 1e-6):
             return free  # r integral with r free: no choice's LP is lower
-    lps = sorted(_branch_lps(one, fits, time_limit_s), key=lambda pair: pair[0].objective_s)
+    lps = sorted(_branch_lps(one, fits, time_limit_s), key=lambda lp: lp[0].objective_s)
     if not lps:
         raise _over_budget(budget, min(needs.values()), " (constraint 'memory' binds)")
     if relax:
         return lps[0][0]
-    return _branch_ilps(one, built, lps, t0 + time_limit_s)
-
-
-def _branch_ilp_options(built: Built) -> dict:
-    """HiGHS's options for an ILP with its recompute choice fixed: no presolve (on the 175B mesh
-    above, presolve took 6.2 s of such an ILP and 0.4 s without; the same plan), and the gap of
-    ``_BRANCH_REL_GAP`` where the model is large."""
-    large = len(built.model.cost) > _LARGE_COLUMNS
-    return dict(presolve=False, rel_gap=_BRANCH_REL_GAP if large else 1e-4)
+    return _branch_ilps(one, lps, t0 + time_limit_s)
 
 
 def _branch_lps(one, fits, time_limit_s: float) -> list[tuple[SolveResult, frozenset[str]]]:
-    """Each recompute choice's LP relaxation with its r fixed, and the choice (infeasible ones
+    """Each recompute choice's LP relaxation with its r fixed, and the choice (infeasible choices
     left out)."""
     out = []
     for on in fits:
@@ -189,12 +174,11 @@ def _branch_lps(one, fits, time_limit_s: float) -> list[tuple[SolveResult, froze
     return out
 
 
-def _branch_ilps(one, built: Built, lps: list[tuple[SolveResult, frozenset[str]]], deadline: float) -> SolveResult:
+def _branch_ilps(one, lps: list[tuple[SolveResult, frozenset[str]]], deadline: float) -> SolveResult:
     """The ILPs of the recompute choices in order of their LP bounds (``lps``), each with its r
     fixed, until the next bound is no better than the best plan. The lower bound is the least
     over the choices: a choice's ILP dual bound where it ran, else its LP bound."""
     best, lower, status = None, float("inf"), "Optimal"
-    options = _branch_ilp_options(built)
     for lp, on in lps:
         if best is not None and lp.objective_s >= best.objective_s * (1 - 1e-9):
             lower = min(lower, lp.objective_s)
@@ -203,7 +187,7 @@ def _branch_ilps(one, built: Built, lps: list[tuple[SolveResult, frozenset[str]]
         try:
             if left <= 0:
                 raise AutoparError("the time limit ran out before this choice's ILP")
-            got = lp if lp.integral else one(on, False, left, **options)[0]
+            got = lp if lp.integral else one(on, False, left)[0]
         except InfeasibleBudgetError:
             continue
         except AutoparError:  # stopped before a plan: the choice keeps its LP bound
@@ -220,16 +204,15 @@ def _branch_ilps(one, built: Built, lps: list[tuple[SolveResult, frozenset[str]]
 
 
 def _solve_once(built: Built, problem: Problem, budget: float | None, solver: str, time_limit_s: float,
-                relax: bool, t0: float, on: frozenset[str] | None = None, presolve: bool = True,
-                rel_gap: float = 1e-4) -> tuple[SolveResult, np.ndarray]:
-    """One solve of the model, the recompute terms' r fixed to ``on`` (None: free)."""
-    fixed = None if on is None else {col: float(key in on) for key, col in built.recompute.items()}
+                relax: bool, t0: float, on: frozenset[str] | None = None, presolve: bool = True
+                ) -> tuple[SolveResult, np.ndarray]:
+    """One solve of ``built``, the model of the recompute choice ``on`` (None: r free)."""
     backends = {"highs": solve_highs, "cbc": solve_cbc}
     order = [solver] + [s for s in backends if s != solver]
     result, used, errors = None, None, []
     for name in order:
         try:
-            result = backends[name](built.model, time_limit_s, relax, presolve, fixed=fixed, rel_gap=rel_gap)
+            result = backends[name](built.model, time_limit_s, relax, presolve)
             used = name
             break
         except ImportError as exc:  # highspy missing: CBC takes over
@@ -246,6 +229,8 @@ def _solve_once(built: Built, problem: Problem, budget: float | None, solver: st
     objective, bound = objective / TIME_SCALE, bound / TIME_SCALE
     choice = {k: int(np.argmax(values[cols])) for k, cols in built.x.items()}
     choice.update({k: int(values[c] > 0.5) for k, c in built.recompute.items()})  # recompute of block runs
+    if on is not None:  # folded into the options (ilp_model._fold_recompute)
+        choice.update({t.key: int(bool(t.pinned) or t.key in on) for t in problem.recompute})
     integral = bool(np.all(np.minimum(values[m_int := np.asarray(m.integer)], 1 - values[m_int]) < 1e-6))
     if relax and integral:
         status = "Optimal"  # an integral LP optimum is the ILP optimum: no branching needed

@@ -190,6 +190,32 @@ def _add_syncs(m: Model, problem: Problem, x) -> None:
                   0.0, float("inf"))
 
 
+def _fold_recompute(m: Model, problem: Problem, x, edge_cols: dict, on: frozenset[str]) -> list:
+    """Recompute with every term's r known (the pinned ones and ``on`` are 1, the others 0): w =
+    x for the terms on, so each option and layout pair pays its recomputed forward and releases
+    its saved bytes itself, and no r or w column is made (GPT-3 175B on m0=128,m1=4,m2=2: 23,419
+    columns and 14,362 rows with r free, 10,802 and 1,682 folded). Returns the (column, -bytes)
+    memory terms."""
+    memory = []
+
+    def fold(cols, per_col) -> None:
+        for col, (extra_s, saved_bytes) in zip(cols, per_col):
+            m.cost[col] += extra_s * TIME_SCALE
+            if saved_bytes:
+                memory.append((col, -saved_bytes))
+
+    for term in problem.recompute:
+        if not (term.pinned or term.key in on):
+            continue
+        for key, per_option in term.decisions.items():
+            fold(x[key], [(extra, saved) for extra, saved, _ in per_option])
+        for idx, pairs in term.edges.items():
+            if idx in edge_cols:
+                edge_pairs, first = edge_cols[idx]
+                fold(range(first, first + len(edge_pairs)), [pairs.get(ab, (0.0, 0.0, []))[:2] for ab in edge_pairs])
+    return memory
+
+
 def _add_recompute(m: Model, problem: Problem, x, edge_cols: dict) -> tuple[dict[str, int], list]:
     """Recompute of block runs (``cost_model.recompute``): a binary r per run; for each of its
     decisions d, w_{d,i} = x_{d,i} r by ``sum_i w_{d,i} = r`` and ``w_{d,i} <= x_{d,i}``
@@ -234,10 +260,14 @@ def _add_memory(m: Model, problem: Problem, x, budget_bytes: float | None,
                 edge_memory: list[tuple[int, float]] = ()) -> None:
     if budget_bytes is None:
         return
-    coeffs = [(x[k][i], mem * MEMORY_SCALE) for k, d in problem.decisions.items()
-              for i, mem in enumerate(d.memory_bytes) if mem]
-    coeffs += [(col, mem * MEMORY_SCALE) for col, mem in edge_memory]
-    m.row("memory", coeffs, -float("inf"), budget_bytes * MEMORY_SCALE)
+    coeffs: dict[int, float] = {}  # a column once: a folded recompute term adds to an option's bytes
+    for k, d in problem.decisions.items():
+        for i, mem in enumerate(d.memory_bytes):
+            if mem:
+                coeffs[x[k][i]] = mem * MEMORY_SCALE
+    for col, mem in edge_memory:
+        coeffs[col] = coeffs.get(col, 0.0) + mem * MEMORY_SCALE
+    m.row("memory", list(coeffs.items()), -float("inf"), budget_bytes * MEMORY_SCALE)
 
 
 def _add_host_memory(m: Model, problem: Problem, x) -> None:
@@ -259,13 +289,18 @@ class Built:
     memory_rows: list[int]  # the first device memory row, the first host memory row, the end
 
 
-def build_model(problem: Problem, budget_bytes: float | None) -> Built:
+def build_model(problem: Problem, budget_bytes: float | None, on: frozenset[str] | None = None) -> Built:
+    """The model of ``problem`` under ``budget_bytes``; ``on``: the recompute terms fixed on (with
+    the pinned ones; every other term off), folded into the options (``_fold_recompute``)."""
     m = Model()
     x = _add_decisions(m, problem)
     edge_cols: dict = {}
     edge_memory = _add_edges(m, problem, x, edge_cols)
     _add_syncs(m, problem, x)
-    r_cols, recompute_memory = _add_recompute(m, problem, x, edge_cols)
+    if on is None:
+        r_cols, recompute_memory = _add_recompute(m, problem, x, edge_cols)
+    else:
+        r_cols, recompute_memory = {}, _fold_recompute(m, problem, x, edge_cols, on)
     memory_rows = [len(m.row_lower)]
     _add_memory(m, problem, x, budget_bytes, edge_memory + recompute_memory)
     memory_rows.append(len(m.row_lower))
@@ -302,26 +337,21 @@ def _new_highs(highspy):
     return h
 
 
-def solve_highs(m: Model, time_limit_s: float, relax: bool = False, presolve: bool = True,
-                fixed: dict[int, float] | None = None, rel_gap: float = 1e-4) -> Outcome:
-    """One HiGHS run: the LP relaxation (``relax``) or the MIP, columns ``fixed`` at their values,
-    stopping at a relative MIP gap of ``rel_gap``."""
+def solve_highs(m: Model, time_limit_s: float, relax: bool = False, presolve: bool = True) -> Outcome:
+    """One HiGHS run: the LP relaxation (``relax``) or the MIP (to a relative gap of 1e-4)."""
     import highspy
 
     h = _new_highs(highspy)
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("threads", 1)
-    h.setOptionValue("mip_rel_gap", float(rel_gap))
+    h.setOptionValue("mip_rel_gap", 1e-4)
     if not presolve:
         h.setOptionValue("presolve", "off")
     n = len(m.cost)
     inf = highspy.kHighsInf
-    lower, upper = np.zeros(n), np.asarray(m.upper, dtype=float)
-    for col, value in (fixed or {}).items():
-        lower[col] = upper[col] = value
-    h.addCols(n, np.asarray(m.cost), lower, upper, 0, np.array([], dtype=np.int32), np.array([], dtype=np.int32),
-              np.array([]))
+    h.addCols(n, np.asarray(m.cost), np.zeros(n), np.asarray(m.upper), 0, np.array([], dtype=np.int32),
+              np.array([], dtype=np.int32), np.array([]))
     ints = np.flatnonzero(np.asarray(m.integer) & (not relax)).astype(np.int32)
     if len(ints):
         h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
@@ -346,18 +376,14 @@ def solve_highs(m: Model, time_limit_s: float, relax: bool = False, presolve: bo
     return ("Optimal" if status == "Optimal" else status), values, objective, min(bound, objective), duals
 
 
-def solve_cbc(m: Model, time_limit_s: float, relax: bool = False, presolve: bool = True,
-              fixed: dict[int, float] | None = None, rel_gap: float = 1e-4) -> Outcome:
+def solve_cbc(m: Model, time_limit_s: float, relax: bool = False, presolve: bool = True) -> Outcome:
     """One CBC run through PuLP (the fallback where highspy is missing), as ``solve_highs``.
     ``presolve`` is HiGHS's option; CBC takes it for the common signature and ignores it."""
     import pulp
 
-    fixed = fixed or {}
-
     def build(relax: bool):
         prob = pulp.LpProblem("autopar_strategy", pulp.LpMinimize)
-        cols = [pulp.LpVariable(f"c{i}", fixed.get(i, 0), fixed.get(i, ub),
-                                cat="Continuous" if (relax or not integer) else "Integer")
+        cols = [pulp.LpVariable(f"c{i}", 0, ub, cat="Continuous" if (relax or not integer) else "Integer")
                 for i, (ub, integer) in enumerate(zip(m.upper, m.integer))]
         prob.setObjective(pulp.LpAffineExpression([(v, c) for v, c in zip(cols, m.cost) if c]))
         rows: dict[int, list] = {}
@@ -376,8 +402,7 @@ def solve_cbc(m: Model, time_limit_s: float, relax: bool = False, presolve: bool
         return prob, cols
 
     prob, cols = build(relax=relax)
-    status = pulp.LpStatus[prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=int(max(1, time_limit_s)),
-                                                        gapRel=rel_gap))]
+    status = pulp.LpStatus[prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=int(max(1, time_limit_s))))]
     if status == "Infeasible":
         return "Infeasible", None, float("nan"), float("nan"), None
     values = np.array([v.value() or 0.0 for v in cols])
