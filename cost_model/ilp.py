@@ -34,7 +34,8 @@ from .ilp_model import MEMORY_SCALE, TIME_SCALE, Built, build_model, solve_cbc, 
 from .problem import Problem
 from .stage_weights import ilp_problem
 
-__all__ = ["SolveResult", "LPDuals", "InfeasibleBudgetError", "solve", "min_memory_bytes", "recompute_branches"]
+__all__ = ["SolveResult", "LPDuals", "InfeasibleBudgetError", "solve", "min_memory_bytes", "max_memory_bytes",
+           "recompute_branches"]
 
 
 
@@ -78,9 +79,12 @@ class SolveResult:
             return 0.0 if self.objective_s <= 0 else float("nan")
         return max(0.0, (self.objective_s - self.lower_bound_s) / self.objective_s)
 
+
 # At most this many recompute choices are branched on (3 per run of blocks under "auto": none,
 # the whole block, its attention); a model with more runs is solved with r free, as before.
 _MAX_BRANCHES = 9
+
+
 def recompute_branches(problem: Problem) -> list[frozenset[str]]:
     """The choices of the ILP's free recompute terms (``pinned is None``), each as the set of
     term keys on: per run of blocks, none or one of its terms (``recompute_one``). Empty where
@@ -114,6 +118,13 @@ def min_memory_bytes(problem: Problem, on: frozenset[str] | None = None) -> floa
                for k, d in problem.decisions.items())
 
 
+def max_memory_bytes(problem: Problem) -> float:
+    """An upper bound on any plan's memory without the free recompute terms: every decision's
+    largest option and every edge's largest pairing (the ILP's memory row at its most)."""
+    return (sum(max(d.memory_bytes, default=0.0) for d in problem.decisions.values())
+            + sum(max(e.memory.values()) for e in problem.edges if e.memory))
+
+
 def _over_budget(budget: float | None, need: float, why: str = "") -> InfeasibleBudgetError:
     return InfeasibleBudgetError(
         f"no plan fits the memory budget of {format_bytes(budget)} per device: the smallest any plan needs is "
@@ -134,6 +145,10 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
     branches = recompute_branches(problem)
     needs = {b: min_memory_bytes(problem, b) for b in branches} or {None: min_memory_bytes(problem)}
     fits = [b for b, need in needs.items() if budget is None or need <= budget]
+    if branches and (budget is None or max_memory_bytes(problem) <= budget):
+        # the memory row cannot bind without recompute, and recomputing only adds time: the
+        # choice without it is the optimum (the pipeline search's stage plans, budget 1e30)
+        fits = [frozenset()]
     if not fits:
         # Every plan needs at least the least-memory option of each decision: infeasible without
         # asking HiGHS, which on huge meshes (GPT-3 175B on m0=1024) stopped with 'Solve error'.

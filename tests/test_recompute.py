@@ -153,6 +153,13 @@ def test_the_solver_branches_on_the_recompute_choices():
     got = ilp.solve(problem, budget)
     assert got.objective_s == pytest.approx(free_ilp, rel=2e-4) and got.lower_bound_s <= free_ilp * (1 + 1e-6)
     assert got.choice["recompute[blocks]"] == 1
+    # where even the largest options fit, recompute only adds time: the choice without it is
+    # solved alone, and it is the ILP with r free
+    roomy = ilp.max_memory_bytes(problem)
+    free_roomy = ilp_model.solve_highs(ilp_model.build_model(problem, roomy).model, 60)[2] / ilp_model.TIME_SCALE
+    got = ilp.solve(problem, roomy)
+    assert got.objective_s == pytest.approx(free_roomy, rel=2e-4) and not any(
+        v for k, v in got.choice.items() if k.startswith("recompute["))
 
 
 def test_auto_offloads_only_the_groups_the_budget_needs():
