@@ -155,11 +155,10 @@ def solve(problem: Problem, memory_budget_bytes: float | None = None, solver: st
         raise _over_budget(budget, min(needs.values()))
     models: dict = {}  # recompute choice (None: r free) -> its model
 
-    def one(on, lp: bool, limit: float, **options) -> tuple[SolveResult, np.ndarray]:
-        options.setdefault("presolve", presolve)
+    def one(on, lp: bool, limit: float) -> tuple[SolveResult, np.ndarray]:
         if on not in models:
             models[on] = build_model(problem, budget, on)
-        return _solve_once(models[on], problem, budget, solver, limit, lp, t0, on, **options)
+        return _solve_once(models[on], problem, budget, solver, limit, lp, t0, on, presolve)
 
     if not branches:
         return one(None, relax, time_limit_s)[0]
