@@ -441,9 +441,7 @@ def plan_bound(best: Solved) -> float:
         return math.nan
     r = best.result
     own = r.lower_bound_s if r.lower_bound_s == r.lower_bound_s else math.nan
-    bound = (min(best.search_bound, own) if own == own else best.search_bound) \
+    # The ILP's objective subtracts the communication hidden behind compute as the step does
+    # (cost_model.ilp_model._add_overlap), so its bounds bound the step as they are.
+    return (min(best.search_bound, own) if own == own else best.search_bound) \
         if best.search_bound == best.search_bound else own
-    # The ILP prices every collective in full; the plan's step subtracts the communication hidden
-    # behind compute, at most overlap * min(comm, compute) <= overlap * (compute + comm) / 2, so a
-    # bound of the ILP's objective bounds the step only once lowered by that share.
-    return bound * (1.0 - best.problem.comm_overlap / 2.0)

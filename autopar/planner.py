@@ -326,12 +326,14 @@ def _to_plan(gm, best: Solved, hw, train, budget, strategy, baseline_results, n_
                               tuple(str(l) for l in st.inputs), zero_axes, key, follows))
     p = best.prediction
     r = best.result
+    # the gap is the plan's step against the bound: the ILP's objective is that step up to what
+    # its linear model leaves out (ZeRO-3's backward re-gathers and per-unit latency)
     return Plan(
         model=model_name, n_devices=n_gpus, mesh=best.mesh, hardware=hw.name, strategy=strategy,
         optimizer=train.optimizer, mixed_precision=train.mixed_precision, memory_budget_bytes=budget,
         step_seconds=p.step_seconds, compute_seconds=p.compute_seconds, comm_seconds=p.comm_seconds,
         param_state_bytes=p.param_state_bytes, activation_bytes=p.activation_bytes, comm_bytes=p.comm_bytes,
-        solver=SolverStats(r.solver, r.status, r.seconds, r.objective_s, plan_bound(best), r.n_variables,
+        solver=SolverStats(r.solver, r.status, r.seconds, p.step_seconds, plan_bound(best), r.n_variables,
                            r.n_constraints, n_solved, seconds, search_note),
         baselines=tuple(baseline_results), nodes=tuple(nodes), graph_fingerprint=graph_fingerprint(gm),
         recompute=chosen_recompute(problem, choice), host_bytes=p.host_bytes, problem=problem, choice=dict(choice),

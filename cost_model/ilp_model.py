@@ -11,7 +11,9 @@ Variables (see ``cost_model.problem`` for where the numbers come from):
 
 Objective (seconds per step)::
 
-    min  sum_{d,i} T_{d,i} x_{d,i}  +  sum_{t,a,b} R_{t,a,b} e_{t,a,b}  +  sum_g C_g z_g
+    min  sum_{d,i} T_{d,i} x_{d,i}  +  sum_{t,a,b} R_{t,a,b} e_{t,a,b}  +  sum_g C_g z_g  -  h
+
+(h >= 0: the communication hidden behind compute, where the hardware overlaps any; 0 otherwise)
 
 Constraints, each added by the function named:
 
@@ -27,6 +29,8 @@ Constraints, each added by the function named:
   forward again (F_{d,i} w_{d,i}) and saving activation memory (-S_{d,i} w_{d,i} in ``memory``);
   ``recompute_one``: under ``recompute="auto"`` a run has two terms (the whole block, its attention
   segment) and sum_k r_k <= 1 over them;
+* ``overlap_async``/``overlap_window`` (:func:`_add_overlap`, hardware with ``comm_overlap`` > 0):
+  h <= overlap * (asynchronous collectives) and h <= overlap * (forward and backward compute);
 * ``memory``         (:func:`_add_memory`): sum_{d,i} M_{d,i} x_{d,i} - sum S w <= budget bytes;
 * ``host_memory``    (:func:`_add_host_memory`, offload only): sum_{d,i} H_{d,i} x_{d,i} <= host bytes.
 
@@ -39,11 +43,13 @@ MIP dual bound; with CBC the objective of the LP relaxation), so each plan carri
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .problem import Problem
+from .fsdp_pricing import fsdp_axis
+from .problem import Problem, partial_grad_axes
 
 __all__ = ["TIME_SCALE", "MEMORY_SCALE", "Model", "Built", "build_model", "solve_highs", "solve_cbc"]
 
@@ -171,11 +177,16 @@ def _add_edges(m: Model, problem: Problem, x, cols: dict | None = None) -> list[
     return memory
 
 
-def _add_syncs(m: Model, problem: Problem, x) -> None:
+def _add_syncs(m: Model, problem: Problem, x) -> list[tuple[int, float]]:
+    """The z columns and ``sync`` rows; returns (column, seconds) of the parameters' gradient
+    all-reduces (the runtime runs those asynchronously: ``_add_overlap``)."""
+    params = []
     for sync in problem.syncs:
         if sync.seconds <= 0:
             continue
         z = m.col(sync.seconds)
+        if sync.param:
+            params.append((z, sync.seconds))
         # z >= sum of a decision's triggering options: they exclude each other, so this is
         # valid, and tighter than one row per option.
         by_decision: dict[str, list[int]] = {}
@@ -188,19 +199,23 @@ def _add_syncs(m: Model, problem: Problem, x) -> None:
         for key, options in by_decision.items():
             m.row(f"sync[{sync.tensor}@{sync.axis}]", [(z, 1.0)] + [(x[key][i], -1.0) for i in options] + zero,
                   0.0, float("inf"))
+    return params
 
 
-def _fold_recompute(m: Model, problem: Problem, x, edge_cols: dict, on: frozenset[str]) -> list:
+def _fold_recompute(m: Model, problem: Problem, x, edge_cols: dict, on: frozenset[str],
+                    window: list[tuple[int, float]]) -> list:
     """Recompute with every term's r known (the pinned ones and ``on`` are 1, the others 0): w =
     x for the terms on, so each option and layout pair pays its recomputed forward and releases
     its saved bytes itself, and no r or w column is made (GPT-3 175B on m0=128,m1=4,m2=2: 23,419
     columns and 14,362 rows with r free, 10,802 and 1,682 folded). Returns the (column, -bytes)
-    memory terms."""
+    memory terms; appends each option's recomputed forward to ``window`` (``_add_overlap``)."""
     memory = []
 
-    def fold(cols, per_col) -> None:
+    def fold(cols, per_col, forward: bool = False) -> None:
         for col, (extra_s, saved_bytes) in zip(cols, per_col):
             m.cost[col] += extra_s * TIME_SCALE
+            if forward and extra_s:
+                window.append((col, extra_s))
             if saved_bytes:
                 memory.append((col, -saved_bytes))
 
@@ -208,7 +223,7 @@ def _fold_recompute(m: Model, problem: Problem, x, edge_cols: dict, on: frozense
         if not (term.pinned or term.key in on):
             continue
         for key, per_option in term.decisions.items():
-            fold(x[key], [(extra, saved) for extra, saved, _ in per_option])
+            fold(x[key], [(extra, saved) for extra, saved, _ in per_option], forward=True)
         for idx, pairs in term.edges.items():
             if idx in edge_cols:
                 edge_pairs, first = edge_cols[idx]
@@ -216,20 +231,24 @@ def _fold_recompute(m: Model, problem: Problem, x, edge_cols: dict, on: frozense
     return memory
 
 
-def _add_recompute(m: Model, problem: Problem, x, edge_cols: dict) -> tuple[dict[str, int], list]:
+def _add_recompute(m: Model, problem: Problem, x, edge_cols: dict,
+                   window: list[tuple[int, float]]) -> tuple[dict[str, int], list]:
     """Recompute of block runs (``cost_model.recompute``): a binary r per run; for each of its
     decisions d, w_{d,i} = x_{d,i} r by ``sum_i w_{d,i} = r`` and ``w_{d,i} <= x_{d,i}``
     (rows ``recompute[...]``), the same over the layout pairs of its edges; w pays the forward
     again and releases the saved activation bytes in the memory row. Returns r's columns and
-    the (column, -bytes) memory terms."""
+    the (column, -bytes) memory terms; appends the decisions' recomputed forwards to ``window``."""
     r_cols, memory = {}, []
 
-    def product(name: str, r: int, gates: list[int], per_gate: list[tuple[float, float]]) -> None:
+    def product(name: str, r: int, gates: list[int], per_gate: list[tuple[float, float]],
+                forward: bool = False) -> None:
         per_gate = per_gate[:len(gates)]  # one w per (gate, terms) pair, as zip pairs them
         ws = range(first := m.cols([extra_s for extra_s, _ in per_gate]), first + len(per_gate))
         le = f"recompute_le[{name}]"
-        for w, gate, (_, saved_bytes) in zip(ws, gates, per_gate):
+        for w, gate, (extra_s, saved_bytes) in zip(ws, gates, per_gate):
             m.row_of(le, [w, gate], [1.0, -1.0], -float("inf"), 0.0)
+            if forward and extra_s:
+                window.append((w, extra_s))
             if saved_bytes:
                 memory.append((w, -saved_bytes))
         m.row_of(f"recompute[{name}]", [*ws, r], [1.0] * len(ws) + [-1.0], 0.0, 0.0)
@@ -242,7 +261,8 @@ def _add_recompute(m: Model, problem: Problem, x, edge_cols: dict) -> tuple[dict
             m.row(f"recompute_pin[{term.prefix}]", [(r, 1.0)], float(term.pinned), float(term.pinned))
         for key, per_option in term.decisions.items():
             if any(extra or saved for extra, saved, _ in per_option):
-                product(f"{term.prefix}:{key}", r, x[key], [(extra, saved) for extra, saved, _ in per_option])
+                product(f"{term.prefix}:{key}", r, x[key], [(extra, saved) for extra, saved, _ in per_option],
+                        forward=True)
         for idx, pairs in term.edges.items():
             if idx not in edge_cols:
                 continue
@@ -254,6 +274,70 @@ def _add_recompute(m: Model, problem: Problem, x, edge_cols: dict) -> tuple[dict
         if len(cols) > 1:
             m.row(f"recompute_one[{run}]", [(c, 1.0) for c in cols], 0.0, 1.0)
     return r_cols, memory
+
+
+def _add_overlap(m: Model, problem: Problem, x, edge_cols: dict, param_syncs: list[tuple[int, float]],
+                 recomputed: list[tuple[int, float]]) -> None:
+    """The communication the runtime hides behind compute, as ``evaluate`` prices it
+    (``cost_model/overlap.py``: hidden = overlap * min(async, window)): one column h >= 0 that
+    the objective subtracts, under two rows, ``overlap_async``: h <= overlap * (the parameters'
+    gradient all-reduces + ZeRO-3's prefetched gathers, ``_fused_gathers``) and
+    ``overlap_window``: h <= overlap * (the forward and backward compute of every activation
+    option + the forwards recompute runs again). A min is concave, so the minimising solver lifts
+    h to it: at an integral point the objective is the step ``evaluate`` prices, and the
+    relaxation stays under it. No overlap (the built-in GPU profiles): nothing is added."""
+    overlap = problem.comm_overlap
+    if overlap <= 0:
+        return
+    hidden_async: dict[int, float] = defaultdict(float)
+    for col, seconds in param_syncs:
+        hidden_async[col] += seconds
+    for col, seconds in _fused_gathers(m, problem, x, edge_cols):
+        hidden_async[col] += seconds
+    if not any(hidden_async.values()):
+        return
+    window: dict[int, float] = defaultdict(float)
+    for key, d in problem.decisions.items():
+        if not d.is_param:
+            for col, total, comm in zip(x[key], d.seconds, d.comm_seconds):
+                window[col] += total - comm
+    for col, seconds in recomputed:
+        window[col] += seconds
+    h = m.col(-1.0 / TIME_SCALE)  # in the model's time unit, subtracted from the objective
+    m.upper[h] = float("inf")
+    for name, terms in (("overlap_async", hidden_async), ("overlap_window", window)):
+        m.row(name, [(h, 1.0)] + [(c, -overlap * v * TIME_SCALE) for c, v in terms.items() if v], -float("inf"), 0.0)
+
+
+def _fused_gathers(m: Model, problem: Problem, x, edge_cols: dict) -> list[tuple[int, float]]:
+    """(column, seconds) of each parameter gather the runtime fuses and prefetches (ZeRO-3,
+    ``fsdp_pricing.fsdp_axis``): per layout pair that may fuse, v <= its edge column, <= the
+    consumer's options that split the gather's axis and <= the parameter's options without
+    ZeRO-2 there, so at an integral point v can be 1 exactly when the gather is fused."""
+    out = []
+    everywhere = tuple(range(problem.mesh.ndim))
+    for idx, (pairs, first) in edge_cols.items():
+        edge = problem.edges[idx]
+        producer, consumer = problem.decisions[edge.producer], problem.decisions[edge.consumer]
+        if not (edge.needs_grad and producer.is_param and edge.tensor):
+            continue
+        for k, (a, b) in enumerate(pairs):
+            seconds = edge.seconds[(a, b)]
+            axis = fsdp_axis(a, b, everywhere, ()) if seconds > 0 else None
+            if axis is None:
+                continue
+            splits = [x[edge.consumer][i] for i, (st, _) in enumerate(consumer.options)
+                      if edge.consumer_layouts[i] == b and axis in partial_grad_axes(st, problem.mesh)]
+            keeps = [x[edge.producer][j] for j, (_, zero) in enumerate(producer.options)
+                     if edge.producer_layouts[j] == a and axis not in zero]
+            if not splits or not keeps:
+                continue
+            v = m.col(0.0)
+            m.row_of(("fused", idx), [v, first + k], [1.0, -1.0], -float("inf"), 0.0)
+            m.row_of(("fused_split", idx), [v, *splits], [1.0] + [-1.0] * len(splits), -float("inf"), 0.0)
+            m.row_of(("fused_keep", idx), [v, *keeps], [1.0] + [-1.0] * len(keeps), -float("inf"), 0.0)
+            out.append((v, seconds))
+    return out
 
 
 def _add_memory(m: Model, problem: Problem, x, budget_bytes: float | None,
@@ -296,11 +380,13 @@ def build_model(problem: Problem, budget_bytes: float | None, on: frozenset[str]
     x = _add_decisions(m, problem)
     edge_cols: dict = {}
     edge_memory = _add_edges(m, problem, x, edge_cols)
-    _add_syncs(m, problem, x)
+    param_syncs = _add_syncs(m, problem, x)
+    recomputed: list[tuple[int, float]] = []
     if on is None:
-        r_cols, recompute_memory = _add_recompute(m, problem, x, edge_cols)
+        r_cols, recompute_memory = _add_recompute(m, problem, x, edge_cols, recomputed)
     else:
-        r_cols, recompute_memory = {}, _fold_recompute(m, problem, x, edge_cols, on)
+        r_cols, recompute_memory = {}, _fold_recompute(m, problem, x, edge_cols, on, recomputed)
+    _add_overlap(m, problem, x, edge_cols, param_syncs, recomputed)
     memory_rows = [len(m.row_lower)]
     _add_memory(m, problem, x, budget_bytes, edge_memory + recompute_memory)
     memory_rows.append(len(m.row_lower))
@@ -383,7 +469,8 @@ def solve_cbc(m: Model, time_limit_s: float, relax: bool = False, presolve: bool
 
     def build(relax: bool):
         prob = pulp.LpProblem("autopar_strategy", pulp.LpMinimize)
-        cols = [pulp.LpVariable(f"c{i}", 0, ub, cat="Continuous" if (relax or not integer) else "Integer")
+        cols = [pulp.LpVariable(f"c{i}", 0, ub if ub < float("inf") else None,
+                                cat="Continuous" if (relax or not integer) else "Integer")
                 for i, (ub, integer) in enumerate(zip(m.upper, m.integer))]
         prob.setObjective(pulp.LpAffineExpression([(v, c) for v, c in zip(cols, m.cost) if c]))
         rows: dict[int, list] = {}

@@ -20,8 +20,10 @@ step, which runs after every collective has landed) and ``comm_overlap`` the har
 measured fraction of asynchronous communication that actually hides (``autopar calibrate``
 runs an all-reduce while matmuls run and compares with both alone: on a GPU NCCL has its own
 SMs and hides nearly all of it; CPU ranks that share their cores with gloo's threads hide
-less). The ILP keeps pricing every collective in full (a max is not linear); ``evaluate``,
-which prices the chosen plan, every baseline and ``explain``, applies the overlap.
+less). ``evaluate`` prices the chosen plan, every baseline and ``explain`` this way; the ILP
+minimises the same step: a min is concave, so a column h under two rows (h <= overlap * async,
+h <= overlap * window) that the objective subtracts takes its value at the optimum
+(``cost_model.ilp_model._add_overlap``).
 """
 
 from __future__ import annotations

@@ -61,7 +61,9 @@ def _family(strategy, overlap, batch=64):
 
 def test_tensor_parallel_all_reduces_stay_on_the_critical_path():
     p0, p1 = _family("megatron", 0.0), _family("megatron", 1.0)
-    assert p0.comm_bytes.get("all_reduce", 0) > 0 and p1.comm_bytes == p0.comm_bytes
+    # the ILP minimises the overlapped step, so elsewhere it may pick other layouts (the loss's
+    # gathers); the tensor-parallel all-reduces are the same
+    assert p0.comm_bytes.get("all_reduce", 0) > 0 and p1.comm_bytes["all_reduce"] == p0.comm_bytes["all_reduce"]
     assert p0.step_seconds == pytest.approx(p0.compute_seconds + p0.comm_seconds)
     # only the replicated norms' and biases' gradient syncs may hide; the activations' all-reduces cannot
     assert p0.step_seconds - p1.step_seconds < 0.1 * p0.comm_seconds, (p0.step_seconds, p1.step_seconds)
