@@ -25,7 +25,7 @@ from autopar.cost_model.reshard import reshard_latency_s
 
 from .plan import Plan
 
-__all__ = ["Part", "split_costs", "kernel_floor_seconds", "least_compute", "batch_split",
+__all__ = ["Part", "split_costs", "accumulate_seconds", "kernel_floor_seconds", "least_compute", "batch_split",
            "microbatch_and_step_seconds", "boundary_bytes"]
 
 
@@ -42,11 +42,16 @@ class Part:
     # latencies of the activation collectives (``split_costs``) and the kernels' floors
     # (``kernel_floor_seconds``, added by the pipeline search)
     fixed_seconds: float = 0.0
+    # adding a micro-batch's fresh parameter gradients into ``.grad`` (autograd's AccumulateGrad:
+    # read both, write one), which every micro-batch but a step's first pays: ``accumulate_seconds``
+    accum_seconds: float = 0.0
 
     def micro_seconds(self, m: int) -> float:
         """One of ``m`` micro-batches: the batch work over m, its fixed part (collective latencies,
-        kernel floors) in full, and the parameter reshards (paid per micro-batch)."""
-        return max(self.batch_seconds - self.fixed_seconds, 0.0) / m + self.fixed_seconds + self.use_seconds
+        kernel floors) in full, the parameter reshards (paid per micro-batch) and its share of the
+        gradient accumulation ((m - 1) of the m micro-batches add into ``.grad``)."""
+        return (max(self.batch_seconds - self.fixed_seconds, 0.0) / m + self.fixed_seconds + self.use_seconds
+                + self.accum_seconds * (m - 1) / m)
 
     def __add__(self, o: "Part") -> "Part":
         return Part(*(a + b for a, b in zip(self._fields(), o._fields())))
@@ -59,7 +64,7 @@ class Part:
 
     def _fields(self) -> tuple[float, ...]:
         return (self.batch_seconds, self.use_seconds, self.step_seconds, self.param_bytes, self.act_bytes,
-                self.fixed_seconds)
+                self.fixed_seconds, self.accum_seconds)
 
 
 def _bucket_bytes(problem, d, i: int) -> float:
@@ -76,12 +81,13 @@ def split_costs(problem, choice: dict, regathers: bool = True) -> Part:
     ``regathers=False``: less the backward re-gathers of ZeRO-3 weights (a recomputed block runs
     none: its recompute gathers again, priced with its forward)."""
     mesh = problem.mesh
-    batch = use = step = params = acts = latency = 0.0
+    batch = use = step = params = acts = latency = accum = 0.0
     for key, d in problem.decisions.items():
         i = choice[key]
         if d.is_param:  # the optimizer once per step; ZeRO-2's collectives (comm_seconds) at every use
             step, use = step + d.seconds[i] - d.comm_seconds[i], use + d.comm_seconds[i]
             params += d.memory_bytes[i] - _bucket_bytes(problem, d, i)
+            accum += accumulate_seconds(problem, d, i)
         else:
             batch += d.seconds[i]
             acts += d.memory_bytes[i]
@@ -117,7 +123,22 @@ def split_costs(problem, choice: dict, regathers: bool = True) -> Part:
                 latency += collective_latency_s("all_reduce", mesh.sizes[g.axis], mesh.links[g.axis]) * count
     rc_compute, rc_comm, rc_saved, _ = recompute_effect(problem, choice, shared)  # recomputed blocks
     # (a recomputed forward's collectives are priced as rc_comm, their latencies not told apart)
-    return Part(batch + rc_compute + rc_comm, use, step, params, acts - rc_saved, latency)
+    return Part(batch + rc_compute + rc_comm, use, step, params, acts - rc_saved, latency, accum)
+
+
+def accumulate_seconds(problem, d, i: int) -> float:
+    """Seconds to add one micro-batch's gradient of parameter decision ``d`` (option ``i``, all
+    its copies) into ``.grad``: the local gradient (a ZeRO axis's piece) read twice and written
+    once at the profile's streaming rate. A pipeline runs this m - 1 times a step per stage
+    (``runtime.pipeline`` leaves accumulation to autograd); a plan without micro-batches never.
+    The fidelity GPT under pp=2 x dp=2 at 4 micro-batches: 3 x 14 MiB per stage, about 4 ms a
+    micro-batch on the calibrated CPU ranks."""
+    if problem.stream_bytes_per_s <= 0 or problem.train is None:
+        return 0.0
+    st, zero = d.options[i]
+    grads = device_parts(d.node.meta["val"].numel(), st.output, problem.mesh, problem.train, zero,
+                         str(d.node.target)).grads
+    return 3.0 * grads * d.count / problem.stream_bytes_per_s
 
 
 def kernel_floor_seconds(problem, hw: Hardware) -> float:
@@ -170,10 +191,10 @@ def batch_split(problem, choice: dict, batch: int) -> int:
     return most
 
 
-def microbatch_and_step_seconds(plan: Plan) -> tuple[float, float]:
-    """A stage plan's (per micro-batch, once per step) seconds, as the search composes them."""
+def microbatch_and_step_seconds(plan: Plan, m: int = 1) -> tuple[float, float]:
+    """A stage plan's (per micro-batch of ``m``, once per step) seconds, as the search composes them."""
     part = split_costs(plan.problem, plan.choice)
-    return part.batch_seconds + part.use_seconds, part.step_seconds
+    return part.batch_seconds + part.use_seconds + part.accum_seconds * (m - 1) / m, part.step_seconds
 
 
 def boundary_bytes(gm: fx.GraphModule, train: TrainingSpec) -> tuple[float, float]:

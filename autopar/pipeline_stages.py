@@ -204,7 +204,7 @@ def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule:
     # per micro-batch the stage's compute and activation collectives; its optimizer and parameter
     # gradient syncs once per step, after the drain, as the search prices them (a stage plan
     # read from JSON has no problem to split: all of its step per micro-batch)
-    split = [microbatch_and_step_seconds(p) if p.problem is not None else (p.step_seconds, 0.0) for p in stages]
+    split = [microbatch_and_step_seconds(p, m) if p.problem is not None else (p.step_seconds, 0.0) for p in stages]
     # no gradient buckets in a pipeline: its syncs run once per step on .grad (runtime.pipeline)
     held = [_transients(p, m) for p in stages]
     costs = [StageCost(s[0], p.param_state_bytes - p.bucket_bytes, p.activation_bytes - h[0], c.send_bytes,

@@ -107,6 +107,8 @@ class Problem:
     recompute: list = field(default_factory=list)
     host: Any = None  # ZeRO-Offload: host bytes per parameter option (cost_model/offload.HostMemory)
     comm_overlap: float = 0.0  # Hardware.comm_overlap: asynchronous collectives hidden (cost_model/overlap.py)
+    # efficiency x memory bandwidth: a pipeline stage's gradient accumulation (autopar/pipeline_parts.py)
+    stream_bytes_per_s: float = 0.0
     train: Any = None  # the TrainingSpec it was priced for (cost_model/liveness.py reads it)
     # parameter decision key -> its share of its ZeRO unit's elements (``cost_model.blocks.unit_key``):
     # the share of a unit collective's latency it pays (``comm.unit_collective_s``)

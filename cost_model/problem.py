@@ -17,8 +17,7 @@ Costs (seconds per training step, on one device):
   (data-parallel weight gradients and Megatron's backward all-reduce are both this).
 
 Memory (bytes on one device): parameter weights, gradients and optimizer state per parameter
-decision, and the activations each strategy keeps for backward.
-"""
+decision, and the activations each strategy keeps for backward."""
 
 from __future__ import annotations
 
@@ -495,5 +494,6 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: Train
     # block runs the ILP may recompute (cost_model/recompute.py); their forward runs again
     add_recompute(problem, hw, train, lambda n, st: builder.algorithm_steps(n, st, backward=False))
     add_host_memory(problem, hw, train)  # ZeRO-Offload's host bytes (cost_model/offload.py)
-    problem.comm_overlap = hw.comm_overlap  # evaluate() hides asynchronous collectives (cost_model/overlap.py)
+    # evaluate() hides asynchronous collectives (cost_model/overlap.py); pipeline_parts.accumulate_seconds
+    problem.comm_overlap, problem.stream_bytes_per_s = hw.comm_overlap, hw.efficiency * hw.memory_bandwidth_bytes_per_s
     return problem

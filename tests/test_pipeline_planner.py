@@ -205,6 +205,37 @@ def test_a_pinned_pipeline_pays_its_optimizer_once_per_step():
     assert share[2] > 0 and share[4] == pytest.approx(share[2], rel=1e-6), share
 
 
+def test_micro_batches_after_the_first_pay_to_accumulate_the_gradients(monkeypatch):
+    # Each micro-batch's backward makes fresh parameter gradients that autograd adds into .grad
+    # (read both, write one): m - 1 adds a step per stage. Unpriced, a pipeline of many
+    # micro-batches looked faster than the runtime runs it.
+    from autopar import pipeline_parts
+    from autopar.models import GPTConfig
+    from autopar.pipeline_stages import hand_pipeline_plan
+    from autopar.planner import plan
+
+    hw = get_hardware("a100-80gb")
+    model, inputs = gpt(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=256, block_size=32), batch_size=8)
+
+    def pinned(m):
+        return hand_pipeline_plan(model, inputs, 4, pp=2, n_microbatches=m, schedule="1f1b", stage_mesh=None,
+                                  stage_blocks=None, virtual_stages=1, plan_fn=plan, hardware=hw, strategy="dp",
+                                  mixed_precision=False)
+
+    priced = pinned(4)
+    monkeypatch.setattr(pipeline_parts, "accumulate_seconds", lambda *a: 0.0)
+    unpriced, single = pinned(4), pinned(1)
+    for k, stage in enumerate(priced.stage_plans):
+        # fp32 gradients, replicated over the stage's dp=2: every parameter whole on each rank
+        n_params = sum(d.node.meta["val"].numel() * d.count for d in stage.problem.decisions.values() if d.is_param)
+        want = 3 * 4 * n_params / (hw.efficiency * hw.memory_bandwidth_bytes_per_s) * (4 - 1) / 4
+        got = priced.pipeline.stages[k].seconds_per_microbatch - unpriced.pipeline.stages[k].seconds_per_microbatch
+        assert n_params > 0 and got == pytest.approx(want, rel=1e-6), (k, got, want)
+    assert priced.step_seconds > unpriced.step_seconds
+    monkeypatch.undo()
+    assert pinned(1).step_seconds == pytest.approx(single.step_seconds, rel=1e-9)  # one micro-batch adds nothing
+
+
 def test_a_searched_pipeline_predicts_what_its_stage_plans_compose_to():
     # The search prices whole-batch pieces scaled to one micro-batch; the stage plans that run
     # are solved for one micro-batch. gpt2 on 8 as pp=2: the search said 11.5 ms, its stage
@@ -377,7 +408,9 @@ def test_a_micro_batch_pays_the_kernel_floors_in_full():
         else:
             assert floors < part.batch_seconds
         part = dataclasses.replace(part, fixed_seconds=floors)
-        assert part.micro_seconds(4) == pytest.approx((part.batch_seconds - floors) / 4 + floors + part.use_seconds)
+        assert part.accum_seconds > 0  # (test_micro_batches_after_the_first_pay_to_accumulate_the_gradients)
+        assert part.micro_seconds(4) == pytest.approx((part.batch_seconds - floors) / 4 + floors + part.use_seconds
+                                                      + part.accum_seconds * 3 / 4)
 
 
 def test_a_micro_batch_pays_its_collectives_latencies_in_full():
