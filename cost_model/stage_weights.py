@@ -13,6 +13,8 @@ per step (``runtime.pipeline``):
   parameters (ZeRO-3) to save optimizer time and gradient syncs that run once, and gathers them
   at every micro-batch. The ILP here minimizes the stage's time per micro-batch over the step,
   ``t + s / m`` (m times that is what the stage adds to the step at the slowest stage);
+* overlap: none. A stage's parameter syncs run after the schedule and its gathers with each
+  micro-batch, and the composition prices them in full, so its ILP does too;
 * memory: the schedule holds the activations of ``in_flight`` micro-batches at once
   (``cost_model.pipeline.activations_in_flight``: 1F1B ``p - k`` at stage k, GPipe ``m``); the
   parameter state once, without the gradient bucket a plan without stages keeps (a stage's
@@ -45,8 +47,11 @@ def ilp_problem(problem: Problem) -> Problem:
     a copy with per-step seconds over m and activation bytes times the micro-batches in flight
     (module doc). The copy shares everything the ILP does not read."""
     w = getattr(problem, "stage", None)
-    if w is None or (w.n_microbatches == 1 and w.in_flight == 1):
+    if w is None:
         return problem
+    if w.n_microbatches == 1 and w.in_flight == 1:
+        # the composed pipeline hides nothing (``autopar.pipeline_parts``): neither does its ILP
+        return dataclasses.replace(problem, comm_overlap=0.0) if problem.comm_overlap else problem
     once, held = 1.0 / w.n_microbatches, w.in_flight
     decisions = {}
     for key, d in problem.decisions.items():
@@ -77,7 +82,8 @@ def ilp_problem(problem: Problem) -> Problem:
             per_edge[idx] = {ab: (extra, saved * held + (held - 1) * e.memory.get(ab, 0.0) / c, steps)
                              for ab, (extra, saved, steps) in pairs.items()}
         recompute.append(dataclasses.replace(term, decisions=per_decision, edges=per_edge))
-    return dataclasses.replace(problem, decisions=decisions, edges=edges, syncs=syncs, recompute=recompute)
+    return dataclasses.replace(problem, decisions=decisions, edges=edges, syncs=syncs, recompute=recompute,
+                               comm_overlap=0.0)
 
 
 def held_peak_bytes(problem: Problem, choice: dict, pred) -> float:

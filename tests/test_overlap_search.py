@@ -46,3 +46,21 @@ def test_the_ilp_plan_is_the_best_overlapped_step_of_every_plan(batch):
     # at the plan, the ILP's objective is the step evaluate prices, up to what the linear model
     # leaves out (ZeRO-3's per-unit latency and re-gathers: 0.1% at batch 512), never above it
     assert got.step_seconds * 0.99 <= r.objective_s <= got.step_seconds * (1 + 1e-6)
+
+
+def test_a_pipeline_stage_ilp_hides_nothing():
+    # a stage's parameter syncs run after the schedule and its gathers with every micro-batch,
+    # priced in full when the stages are composed (autopar.pipeline_parts): its ILP must not
+    # buy layouts for an overlap the pipeline never gets
+    from autopar.cost_model.stage_weights import ilp_problem
+    from autopar.models import GPTConfig, gpt
+    from autopar.pipeline_stages import hand_pipeline_plan
+    from autopar.planner import plan
+
+    hw = dataclasses.replace(get_hardware("a100-80gb"), comm_overlap=0.9)
+    model, inputs = gpt(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=256, block_size=32), batch_size=8)
+    for m in (1, 4):
+        p = hand_pipeline_plan(model, inputs, 4, pp=2, n_microbatches=m, schedule="1f1b", stage_mesh=None,
+                               stage_blocks=None, virtual_stages=1, plan_fn=plan, hardware=hw, mixed_precision=False)
+        for stage in p.stage_plans:
+            assert stage.problem.comm_overlap == 0.9 and ilp_problem(stage.problem).comm_overlap == 0.0
