@@ -51,7 +51,11 @@ class Part:
         kernel floors) in full, the parameter reshards (paid per micro-batch) and its share of the
         gradient accumulation ((m - 1) of the m micro-batches add into ``.grad``)."""
         return (max(self.batch_seconds - self.fixed_seconds, 0.0) / m + self.fixed_seconds + self.use_seconds
-                + self.accum_seconds * (m - 1) / m)
+                + self.accum_share(m))
+
+    def accum_share(self, m: int) -> float:
+        """One micro-batch's share of the step's m - 1 gradient accumulations."""
+        return self.accum_seconds * (m - 1) / m
 
     def __add__(self, o: "Part") -> "Part":
         return Part(*(a + b for a, b in zip(self._fields(), o._fields())))
@@ -194,7 +198,7 @@ def batch_split(problem, choice: dict, batch: int) -> int:
 def microbatch_and_step_seconds(plan: Plan, m: int = 1) -> tuple[float, float]:
     """A stage plan's (per micro-batch of ``m``, once per step) seconds, as the search composes them."""
     part = split_costs(plan.problem, plan.choice)
-    return part.batch_seconds + part.use_seconds + part.accum_seconds * (m - 1) / m, part.step_seconds
+    return part.batch_seconds + part.use_seconds + part.accum_share(m), part.step_seconds
 
 
 def boundary_bytes(gm: fx.GraphModule, train: TrainingSpec) -> tuple[float, float]:
