@@ -3,19 +3,27 @@ apart on 4 CPU ranks for a few of ``bench/fidelity.py``'s plans, next to the cos
 
     python bench/step_parts.py --hardware PROFILE.json --plans dp zero2 zero3 megatron [--profile dp]
 
-Per plan: every rank runs warm-up steps, then ``--rounds`` steps, each part between barriers
-(so a part is the slowest rank's; barriers stop the optimizer step of one rank from hiding a
-late collective of another, which the real step does not either: ``opt.step`` waits for every
-gradient). The median over rounds of each part is printed, with the plan's predicted compute,
-communication (critical and asynchronous), and optimizer seconds (the parameter decisions'
-share of the compute term). ``--profile NAME`` prints rank 0's top ops (torch.profiler, self
-CPU time) of one step of that plan: where Python and dispatch overhead sit.
+Ranks are pinned 2 per core and step the optimizer ``autopar.runtime.offload.make_optimizer``
+builds, as ``bench/fidelity.py`` and ``autopar calibrate`` do. Every plan is set up and warmed up
+first; then ``--rounds`` rounds each step every plan once, then calibrate's reference step
+(``autopar/calibrate_reference.py``), each part between barriers (so a part is the slowest
+rank's; barriers stop the optimizer step of one rank from hiding a late collective of another,
+which the real step does not either: ``opt.step`` waits for every gradient). Printed per plan:
+the median over rounds of each part, each rank's CPU seconds per step (all its threads, gloo's
+included: where the sum over ranks is about cores x wall, the step is CPU-bound; far below, the
+cores idled in waits), each rank's minor page faults per step (fresh memory the allocator took
+from the system and the kernel zeroed), and the plan's predicted compute, communication and
+step. The reference step's line says how fast the machine ran in these rounds: divide a plan's
+measured step by it to compare plans across launches. ``--profile NAME`` prints rank 0's top
+ops (torch.profiler, self CPU time) of one step of that plan: where Python and dispatch
+overhead sit.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -33,8 +41,13 @@ WORLD = 4
 def _parts(module, opt, inputs) -> dict[str, float]:
     out = {}
     dist.barrier()
+    faults, cpu = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
     t0 = time.perf_counter()
-    if hasattr(module, "step") and hasattr(module, "stage_ids"):
+    if not hasattr(module, "parameters"):  # the reference step: one callable, timed whole
+        module()
+        dist.barrier()
+        out["step"] = time.perf_counter() - t0
+    elif hasattr(module, "step") and hasattr(module, "stage_ids"):
         module.step(*inputs)
         dist.barrier()
         out["fwd+bwd"] = time.perf_counter() - t0
@@ -46,25 +59,46 @@ def _parts(module, opt, inputs) -> dict[str, float]:
         loss.backward()
         dist.barrier()
         out["bwd"] = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    dist.barrier()
-    out["opt"] = time.perf_counter() - t2
+    if opt is not None:
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        out["opt"] = time.perf_counter() - t2
+    out["cpu"] = time.process_time() - cpu  # this rank's, not a part: not summed into the step
+    out["faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     return out
+
+
+def _reference_step():
+    """Calibrate's reference step (every rank alone, fused AdamW), as one callable."""
+    from autopar.calibrate_reference import reference_model
+
+    model, inputs = reference_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+    def step() -> None:
+        model(*inputs).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
 
 
 def _rank(rank: int, port: int, names: list[str], hardware: str, rounds: int, profile: str | None) -> None:
     from fidelity import PLANS, _make_plan
     from runtime_vs_baselines import FULL, build_model
 
+    from autopar.calibrate_measure import pin_to_core
     from autopar.plan import Plan
+    from autopar.runtime.offload import make_optimizer
     from autopar.runtime.parallel_module import parallelize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    pin_to_core(rank, WORLD)  # 2 ranks per core, as calibrate and bench/fidelity.py run them
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     options = dict(PLANS)
+    runs = {}
     for name in names:
         box = [None]
         if rank == 0:
@@ -74,27 +108,41 @@ def _rank(rank: int, port: int, names: list[str], hardware: str, rounds: int, pr
         plan = Plan.from_json(box[0])
         model, inputs = build_model(FULL)
         module = parallelize(model, example_inputs=inputs, plan=plan, hardware=hardware, mixed_precision=False)
-        opt = torch.optim.AdamW(list(module.parameters()), lr=1e-3)
+        opt = make_optimizer(module, lr=1e-3)
+        runs[name] = (plan, module, opt, inputs)
+    runs["reference"] = (None, _reference_step(), None, ())
+    for _, module, opt, inputs in runs.values():
         for _ in range(2):
             _parts(module, opt, inputs)
-        got: dict[str, list[float]] = {}
-        for _ in range(rounds):
+    got: dict[str, dict[str, list[float]]] = {name: {} for name in runs}
+    for _ in range(rounds):  # round robin: a load swing of the machine hits every plan alike
+        for name, (_, module, opt, inputs) in runs.items():
             for k, v in _parts(module, opt, inputs).items():
-                got.setdefault(k, []).append(v)
-        if profile == name and rank == 0:
+                got[name].setdefault(k, []).append(v)
+    if profile in runs:
+        _, module, opt, inputs = runs[profile]
+        if rank == 0:
             from torch.profiler import ProfilerActivity, profile as prof
             with prof(activities=[ProfilerActivity.CPU]) as p:
                 _parts(module, opt, inputs)
             print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
-        elif profile == name:
+        else:
             _parts(module, opt, inputs)
-        if rank == 0:
-            med = {k: statistics.median(v) * 1e3 for k, v in got.items()}
-            total = sum(med.values())
-            print(f"{name:<13} {str(plan.mesh):<12} measured " + "  ".join(f"{k} {v:6.0f}" for k, v in med.items())
-                  + f"  sum {total:6.0f} ms | predicted compute {plan.compute_seconds * 1e3:6.0f}  comm "
-                  f"{plan.comm_seconds * 1e3:6.0f}  step {plan.step_seconds * 1e3:6.0f} ms", flush=True)
-        del module, opt
+    medians = {name: {k: statistics.median(v) for k, v in parts.items()} for name, parts in got.items()}
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, medians)
+    if rank == 0:
+        for name, (plan, *_) in runs.items():
+            med = {k: v * 1e3 for k, v in medians[name].items() if k not in ("cpu", "faults")}
+            cpu = [round(e[name]["cpu"] * 1e3) for e in everyone]
+            faults = [round(e[name]["faults"]) for e in everyone]
+            predicted = "" if plan is None else (
+                f" | predicted compute {plan.compute_seconds * 1e3:4.0f}  comm {plan.comm_seconds * 1e3:4.0f}  "
+                f"step {plan.step_seconds * 1e3:4.0f} ms")
+            mesh = "" if plan is None else str(plan.mesh)
+            print(f"{name:<13} {mesh:<12} measured " + "  ".join(f"{k} {v:4.0f}" for k, v in med.items())
+                  + f"  sum {sum(med.values()):4.0f} ms; CPU ms/rank {cpu}, page faults/rank {faults}" + predicted,
+                  flush=True)
     dist.destroy_process_group()
 
 
