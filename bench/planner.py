@@ -111,8 +111,8 @@ def main() -> None:
         print(f"{name:10s} {n:5d} devices  plan {seconds:5.1f} s first, {warm:5.1f} s second{cli} (target "
               f"{target:.0f} s for the {what}: {'met' if r['met'] else 'MISSED'})  mesh {r['mesh']:20s} "
               f"ILP {r['ilp_variables']:,} vars x {r['ilps']}  gap {r['gap'] * 100:.2f}%  step {r['step_ms']:.1f} ms"
-              f"  vs best baseline ({r['best_baseline']}) {r['speedup_vs_best_baseline'] or float('nan'):.2f}x",
-              flush=True)
+              + (f"  vs best baseline ({r['best_baseline']}) {r['speedup_vs_best_baseline']:.2f}x" if best_baseline
+                 else "  no baseline fits in memory"), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
