@@ -41,11 +41,6 @@ What is measured, on every rank at once (each rank is one "device" of the profil
   summary prints each point's error). With one node, ``inter_node`` copies ``intra_node``:
   nothing crossed a node boundary to measure. Under ``torchrun`` over several nodes the
   intra-node link is fitted on each node's own ranks and the inter-node link on all ranks.
-- ``core_link`` (CPU ranks that outnumber the cores, pinned round robin): the same collectives
-  on the groups of ranks that share a core (4 ranks on 2 cores: {0, 2} and {1, 3}), each group
-  at once; a mesh axis whose groups lie on one core runs over it (``Hardware.mesh_links``).
-  On this project's machine a 2-rank all-reduce is about twice as fast on one core as across
-  two, a send about twice as slow.
 
 ``efficiency``: on CUDA 1.0 (the cost model divides by ``efficiency * peak``, and a measured
 matmul or copy rate is already what dense kernels reach). On CPU it is fitted to a reference
@@ -166,7 +161,6 @@ class Calibration:
     # one fit per (collective, group size) measured inside a node: the intra link's per_collective rows
     per_collective: tuple[LinkFit, ...] = ()
     reference: EfficiencyFit | None = None  # the efficiency fitted to the reference step (CPU)
-    core: LinkFit | None = None  # ranks pinned to one core (Hardware.core_link); None: none share one
 
 
 # ------------------------------------------------------------------------------ fitting
@@ -308,12 +302,6 @@ def _build(measured: dict[str, Any], backend: str, name: str | None, links_from:
         intra = fit_link([p for p in points if p.n_ranks == node and p.collective in ("all_reduce", "all_gather")]
                          or points, link_name)
         per_kind = fit_per_collective(points, link_name)
-    core = None  # the ranks pinned to one core (Hardware.core_link)
-    if base is None and measured.get("core"):
-        core_points = [CollectivePoint(**p) for p in measured["core"]]
-        core_name = f"{backend}-one-core-measured"
-        core = fit_link(core_points, core_name)
-        core = dataclasses.replace(core, link=with_per_collective(core.link, fit_per_collective(core_points, core_name)))
     inter = None
     if base is None and measured["inter"] is not None:
         inter = fit_link([CollectivePoint(**p) for p in measured["inter"]], f"{backend}-inter-node-measured")
@@ -342,14 +330,13 @@ def _build(measured: dict[str, Any], backend: str, name: str | None, links_from:
         comm_overlap=float(overlap) if overlap is not None else (base.comm_overlap if base is not None else 0.0),
         # CPU ranks share this machine's cores (the rates above are each rank's share of them)
         shared_cores=float(len(os.sched_getaffinity(0))) if dev.device == "cpu" else 0.0,
-        core_link=None if core is None else core.link,
     )
     reference = fit_efficiency(hardware, dev.reference_step_seconds) if dev.reference_step_seconds > 0 else None
     if reference is not None:
         hardware = dataclasses.replace(hardware, efficiency=reference.efficiency)
     return Calibration(hardware, dev, backend, int(measured["n_ranks"]), int(measured["n_nodes"]), intra, inter,
                        links_from if base is not None else None, seconds,
-                       None if overlap is None else float(overlap), per_kind, reference, core)
+                       None if overlap is None else float(overlap), per_kind, reference)
 
 
 # ------------------------------------------------------------------------------ summary
@@ -416,8 +403,6 @@ def format_summary(cal: Calibration) -> str:
                 lines.append(f"  {p0.collective:14s} {p0.n_ranks} ranks: B = {f.link.bandwidth_bytes_per_s / 1e9:,.3f} "
                              f"GB/s, a = {f.link.latency_s * 1e6:,.1f} us; error rms {f.rms_relative_error:.0%}, "
                              f"max {f.max_relative_error:.0%}")
-        if cal.core is not None:
-            lines += _link_lines("core_link (ranks pinned to one core; mesh axes whose groups share a core)", cal.core)
         if cal.inter is None:
             lines.append("inter_node: same as intra_node (one node: nothing crossed a node boundary)")
         else:
@@ -431,5 +416,4 @@ def calibration_to_dict(cal: Calibration) -> dict[str, Any]:
             "n_ranks": cal.n_ranks, "n_nodes": cal.n_nodes, "seconds": cal.seconds, "links_from": cal.links_from,
             "comm_overlap": cal.comm_overlap,
             "intra": None if cal.intra is None else [asdict(p) for p in cal.intra.points],
-            "inter": None if cal.inter is None else [asdict(p) for p in cal.inter.points],
-            "core": None if cal.core is None else [asdict(p) for p in cal.core.points]}
+            "inter": None if cal.inter is None else [asdict(p) for p in cal.inter.points]}

@@ -21,7 +21,7 @@ from .errors import AutoparError
 from .calibrate_reference import time_reference_step
 from .optim.cpu_kernels import adam_step
 
-__all__ = ["CalibrationError", "core_groups", "measure_device", "pin_to_core", "rank_measure", "spawn_ranks"]
+__all__ = ["CalibrationError", "measure_device", "pin_to_core", "rank_measure", "spawn_ranks"]
 
 
 class CalibrationError(AutoparError):
@@ -350,18 +350,9 @@ def _measure_overlap(group: Any, n: int, device: torch.device, quick: bool, say:
     return min(1.0, max(0.0, overlap))
 
 
-def core_groups(world: int, cores: int) -> list[list[int]]:
-    """The ranks that share each core when ``world`` ranks are pinned round robin to ``cores``
-    cores (``pin_to_core``); [] where no two ranks share one or the cores are not shared evenly."""
-    if cores < 1 or world <= cores or world % cores:
-        return []
-    return [[r for r in range(world) if r % cores == c] for c in range(cores)]
-
-
 def rank_measure(rank: int, world: int, local_world: int, device: torch.device, quick: bool,
-                  t0: float, progress: bool, pinned_cores: int = 0) -> dict[str, Any] | None:
-    """Every rank's part of a calibration, in an initialised process group; rank 0 gets the result.
-    ``pinned_cores``: the cores the ranks were pinned to round robin (0: not pinned)."""
+                  t0: float, progress: bool) -> dict[str, Any] | None:
+    """Every rank's part of a calibration, in an initialised process group; rank 0 gets the result."""
     def say(message: str) -> None:
         if rank == 0 and progress:
             print(f"  [calibrate {time.perf_counter() - t0:5.1f} s] {message}", file=sys.stderr, flush=True)
@@ -384,22 +375,13 @@ def rank_measure(rank: int, world: int, local_world: int, device: torch.device, 
         sub, _ = dist.new_subgroups(group_size=size)
         say(f"intra-node groups of {size} ranks, all at once")
         intra += _measure_collectives(sub, size, device, quick, say, ALL_KINDS)
-    # the ranks pinned to one core, each core's group at once: a mesh axis whose groups share a
-    # core runs over this link (Hardware.core_link), not over the cores' ring
-    core = None
-    groups = core_groups(world, pinned_cores) if n_nodes == 1 else []
-    if groups:
-        mine, _ = dist.new_subgroups_by_enumeration(groups)
-        say(f"groups of {len(groups[0])} ranks that share a core, all at once")
-        core = _measure_collectives(mine, len(groups[0]), device, quick, say, ALL_KINDS)
     overlap = _measure_overlap(None, world, device, quick, say)
     everything: list[Any] = [None] * world
-    dist.all_gather_object(everything, (device_rates, intra, inter, overlap, core))
+    dist.all_gather_object(everything, (device_rates, intra, inter, overlap))
     if rank != 0:
         return None
     return dict(device=_combine_device(everything), intra=_combine_points([e[1] for e in everything]),
                 inter=None if inter is None else _combine_points([e[2] for e in everything]),
-                core=None if core is None else _combine_points([e[4] for e in everything]),
                 n_ranks=world, devices_per_node=local_world, n_nodes=n_nodes,
                 comm_overlap=statistics.median(e[3] for e in everything))
 
@@ -439,14 +421,14 @@ def pin_to_core(rank: int, world: int) -> int | None:
 def _spawned_rank(rank: int, world: int, init_method: str, backend: str, quick: bool, t0: float,
                   progress: bool, result_path: str) -> None:
     torch.set_num_threads(1)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
-    pinned = backend != "nccl" and pin_to_core(rank, world) is not None
+    if backend != "nccl":
+        pin_to_core(rank, world)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     try:
-        result = rank_measure(rank, world, world, device, quick, t0, progress, cores if pinned else 0)
+        result = rank_measure(rank, world, world, device, quick, t0, progress)
         if result is not None:
             with open(result_path, "w", encoding="utf-8") as fh:
                 json.dump(result, fh)

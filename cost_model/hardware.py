@@ -80,15 +80,6 @@ class Hardware:
     # A contraction's backward time over its forward: 2 by FLOPs (the built-in profiles);
     # ``autopar calibrate`` measures a linear layer's (on CPU ~2.4-2.7).
     backward_ratio: float = 2.0
-    # The link between CPU ranks pinned to one core (``autopar calibrate`` pins ranks that
-    # outnumber the cores round robin: local rank r on core r % shared_cores, and measures the
-    # groups of ranks that share a core, all at once). A mesh axis whose every group lies on one
-    # core runs over it (``mesh_links``). Measured here, 4 ranks on 2 cores, with compute between
-    # the calls: a 2-rank all-reduce of 4 KiB 0.9-1.0 ms on one core against 2.1-2.3 ms across the
-    # two, a send 3.3 ms against 1.1-1.7 (the receiver waits for its core-mate's time slice).
-    # None: no such measurement (GPUs; CPU profiles that did not pin), every axis in a node
-    # gets ``intra_node``.
-    core_link: Link | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
@@ -121,12 +112,7 @@ class Hardware:
                                 f"asynchronous communication hidden behind compute), got {self.comm_overlap!r}")
         if not isinstance(self.efficiency, (int, float)) or not 0 < self.efficiency <= 1:
             raise HardwareError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}")
-        if self.core_link is not None and not isinstance(self.core_link, Link):
-            raise HardwareError(f"hardware {self.name!r}: core_link must be a Link or None, got {self.core_link!r}")
-        if self.core_link is not None and self.shared_cores < 1:
-            raise HardwareError(f"hardware {self.name!r}: core_link describes ranks pinned to shared cores; set "
-                                f"shared_cores (the cores they share), got {self.shared_cores!r}")
-        for link_name in ("intra_node", "inter_node") + (("core_link",) if self.core_link is not None else ()):
+        for link_name in ("intra_node", "inter_node"):
             link = getattr(self, link_name)
             if not isinstance(link, Link):
                 raise HardwareError(f"hardware {self.name!r}: {link_name} must be a Link, got {link!r}")
@@ -153,9 +139,7 @@ class Hardware:
         ids. An axis whose every group of devices stays inside one node gets
         ``intra_node``, otherwise ``inter_node``. When the product of an axis's size and all
         inner sizes divides ``devices_per_node`` this is exactly "that product <=
-        devices_per_node"; odd sizes are checked group by group. With a ``core_link`` (CPU ranks
-        pinned round robin to ``shared_cores`` cores), an axis inside a node whose stride is a
-        multiple of the cores has every group on one core, and gets ``core_link``.
+        devices_per_node"; odd sizes are checked group by group.
         """
         sizes = tuple(sizes)
         for s in sizes:
@@ -175,17 +159,8 @@ class Hardware:
                 intra = True
             else:
                 intra = _groups_within_nodes(n_devices, stride, size, dpn)
-            links.append(self.inter_node if not intra else self.core_link if self._on_one_core(stride, size)
-                         else self.intra_node)
+            links.append(self.intra_node if intra else self.inter_node)
         return tuple(links)
-
-    def _on_one_core(self, stride: int, size: int) -> bool:
-        """Whether an axis's groups (ids j * stride apart inside a node) share one core: local
-        rank r is pinned to core r % cores (``autopar.calibrate_measure.pin_to_core``)."""
-        if self.core_link is None or size == 1:
-            return False
-        cores = int(self.shared_cores)
-        return cores >= 1 and self.devices_per_node % cores == 0 and stride % cores == 0
 
     def mesh_spec(self, axes: tuple[str, ...], sizes: tuple[int, ...]) -> MeshSpec:
         """A :class:`MeshSpec` over ``axes``/``sizes`` whose links come from :meth:`mesh_links`."""
@@ -198,8 +173,6 @@ class Hardware:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None and f.name == "core_link":
-                continue  # absent: profiles written before it existed read the same
             out[f.name] = value.to_json() if isinstance(value, Link) else value
         return out
 
@@ -225,8 +198,6 @@ class Hardware:
         kwargs = dict(data)
         for link_name in ("intra_node", "inter_node"):
             kwargs[link_name] = _link_from_json(kwargs[link_name], link_name)
-        if kwargs.get("core_link") is not None:
-            kwargs["core_link"] = _link_from_json(kwargs["core_link"], "core_link")
         kwargs["devices_per_node"] = _as_int(kwargs["devices_per_node"], "devices_per_node")
         return cls(**kwargs)
 

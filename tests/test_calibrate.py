@@ -158,19 +158,3 @@ def test_malformed_profile_is_a_one_line_error(tmp_path, capsys, content, messag
     assert main(["plan", "mlp", "--gpus", "2", "--hardware", str(path), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("autopar: error:") and message in err[0], err
-
-
-def test_calibrate_measures_on_one_core_the_groups_the_cost_model_puts_there():
-    # the groups calibrate times as "sharing a core" are the groups of the mesh axis the cost
-    # model prices over Hardware.core_link: dp x tp = 2 x 2 on 4 ranks pinned to 2 cores
-    import dataclasses
-
-    from autopar.calibrate_measure import core_groups
-    from autopar.cost_model.hardware import get_hardware
-
-    hw = dataclasses.replace(get_hardware("cpu"), devices_per_node=4, shared_cores=2.0,
-                             core_link=Link("one-core", 2e9, 1e-3))
-    assert core_groups(4, 2) == [[0, 2], [1, 3]]
-    assert hw.mesh_links((2, 2))[0] is hw.core_link  # the dp axis: {0, 2} and {1, 3}
-    assert core_groups(8, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]] and hw.mesh_links((4, 2))[0] is not hw.core_link
-    assert core_groups(2, 2) == [] and core_groups(3, 2) == []  # no core shared, or not evenly

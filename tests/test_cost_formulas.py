@@ -287,37 +287,3 @@ def test_the_parameters_a_bucket_of_their_own_holds_are_those_the_runtime_leaves
              ("d", 0.1 * mib, (1,)), ("e", 0.2 * mib, (0,))]
     assert alone_in_bucket(order) == {"head", "d", "e"}  # d: the only one synced over axis 1; e: after c closed
     assert alone_in_bucket([("a", 0.5 * mib, (0,)), ("head", 8 * mib, (0,))]) == set()  # shares the first bucket
-
-
-def _pinned_cpu(devices_per_node: int, cores: int) -> Hardware:
-    return dataclasses.replace(PROFILES["cpu"], devices_per_node=devices_per_node, shared_cores=float(cores),
-                               core_link=Link("one-core", 2e9, 0.5e-3))
-
-
-def test_an_axis_whose_groups_share_a_core_runs_over_the_core_link() -> None:
-    """mesh_links against every group of device ids: local rank r sits on core r % cores
-    (autopar.calibrate_measure.pin_to_core), an axis gets core_link where each of its groups lies
-    in one node and on one core."""
-    for dpn, cores in ((4, 2), (8, 2), (8, 4), (6, 3)):
-        hw = _pinned_cpu(dpn, cores)
-        for sizes in [(2, 2), (4,), (2, 4), (4, 2), (2, 2, 2), (2, 3), (3, 2), (2, 2, 4), (4, 4)]:
-            n = math.prod(sizes)
-            expected = []
-            for i, size in enumerate(sizes):
-                stride = math.prod(sizes[i + 1:])
-                groups = [[base + j * stride for j in range(size)] for base in range(n) if (base // stride) % size == 0]
-                intra = n <= dpn or all(len({d // dpn for d in g}) == 1 for g in groups)
-                one_core = size > 1 and intra and all(len({(d % dpn) % cores for d in g}) == 1 for g in groups)
-                expected.append(hw.core_link if one_core else hw.intra_node if intra else hw.inter_node)
-            assert hw.mesh_links(sizes) == tuple(expected), (dpn, cores, sizes)
-    hw = _pinned_cpu(4, 2)
-    assert hw.mesh_links((2, 2)) == (hw.core_link, hw.intra_node)  # dp x tp on 4 ranks: dp pairs {0,2}, {1,3}
-    assert dataclasses.replace(hw, core_link=None).mesh_links((2, 2)) == (hw.intra_node, hw.intra_node)
-
-
-def test_the_core_link_goes_through_json_and_needs_shared_cores() -> None:
-    hw = _pinned_cpu(4, 2)
-    assert Hardware.from_json(json.loads(json.dumps(hw.to_json()))) == hw
-    assert "core_link" not in PROFILES["cpu"].to_json()  # profiles without one read as before
-    with pytest.raises(HardwareError, match="core_link describes ranks pinned to shared cores"):
-        dataclasses.replace(hw, shared_cores=0.0)
