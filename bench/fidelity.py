@@ -257,7 +257,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plans", nargs="+", default=[n for n, _ in PLANS], choices=[n for n, _ in PLANS])
     ap.add_argument("--hardware", default="calibrate", help="'calibrate' (measure now), a profile name or JSON path")
-    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 7, --quick 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 11, --quick 2)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "fidelity.json"))
     args = ap.parse_args()
@@ -268,7 +268,7 @@ def main() -> None:
     load0 = os.getloadavg()
     if args.quick and "pp4" in args.plans:  # the quick model has 2 blocks: no 4 stages
         args.plans.remove("pp4")
-    records, reference = run(args.plans, args.quick, hardware, args.rounds or (2 if args.quick else 7))
+    records, reference = run(args.plans, args.quick, hardware, args.rounds or (2 if args.quick else 11))
     figures = plan_fidelity(records)
     print_plan_fidelity(records, figures, hardware)
     drift = reference_drift(hardware, reference)
