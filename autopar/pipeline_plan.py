@@ -137,7 +137,7 @@ def _fitting_stage_plans(micro: fx.GraphModule, info, sub: MeshSpec, link, hw: H
             bound = stage_lower_bound(stage_plans, p, m, v, link, hw.idle_speedup(n_gpus))
         got, step = info_from_stage_plans(stage_plans, p, m, v, info.schedule, sub,
                                           info.block_prefix, info.stage_blocks, link, info.recompute,
-                                          hw.idle_speedup(n_gpus))
+                                          hw.idle_speedup(n_gpus), hw.pipeline_core_shares(p, sub.n_devices))
         peak = max(s.peak_memory_bytes for s in got.stages)
         if peak <= budget:
             return stage_plans, got, step, bound

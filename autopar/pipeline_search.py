@@ -321,7 +321,8 @@ def _compose(sub: _SubMesh, counts: tuple[int, ...], p: int, m: int, v: int, sch
     n_chunks = p * v
     parts = [_stage_part(sub, n, s == 0, s == n_chunks - 1, rc) for s, n in enumerate(counts)]
     costs = [_stage_cost(part, m, sub, s == n_chunks - 1, s == 0, rc) for s, part in enumerate(parts)]
-    pc = pipeline_cost(costs, schedule, m, link, v, hw.idle_speedup(p * sub.mesh.n_devices))
+    pc = pipeline_cost(costs, schedule, m, link, v, hw.idle_speedup(p * sub.mesh.n_devices),
+                       hw.pipeline_core_shares(p, sub.mesh.n_devices))
     # once per step, after the pipeline drains: optimizer and parameter gradient syncs
     after = max(sum(parts[k + j * p].step_seconds for j in range(v)) for k in range(p))
     after += tied_sync_cost(sub.tied_bytes, 2 if p > 1 else 1, link)[1]  # tied weights: first <-> last stage

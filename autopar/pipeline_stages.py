@@ -198,7 +198,8 @@ def row_bytes(p: Plan, in_flight: float) -> float:
 
 def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule: str, stage_mesh: MeshSpec,
                           block_prefix: str, stage_blocks: tuple[int, ...], pp_link: Link,
-                          recompute: bool, idle_speedup: float = 1.0) -> tuple[PipelineInfo, float]:
+                          recompute: bool, idle_speedup: float = 1.0,
+                          core_shares: tuple[tuple[float, ...], ...] = ()) -> tuple[PipelineInfo, float]:
     """A PipelineInfo priced from the stage plans themselves (a pipeline pinned by hand), and
     the step time (schedule, then the once-per-step syncs and optimizer of the slowest device)."""
     # per micro-batch the stage's compute and activation collectives; its optimizer and parameter
@@ -210,7 +211,7 @@ def info_from_stage_plans(stages: StagePlans, pp: int, m: int, v: int, schedule:
     costs = [StageCost(s[0], p.param_state_bytes - p.bucket_bytes, p.activation_bytes - h[0], c.send_bytes,
                        c.send_grad_bytes, transient_bytes=h[1])
              for p, c, s, h in zip(stages, stages.chunks, split, held)]
-    pc = pipeline_cost(costs, schedule, m, pp_link, v, idle_speedup)
+    pc = pipeline_cost(costs, schedule, m, pp_link, v, idle_speedup, core_shares)
     after = max(sum(split[k + j * pp][1] for j in range(v)) for k in range(pp))
     tied_s = sum(t.seconds for t in stages.tied)
     starts = [sum(stage_blocks[:s]) for s in range(pp * v)]
@@ -303,7 +304,7 @@ def hand_pipeline_plan(model, example_inputs, n_gpus: int, *, pp: int, n_microba
                          n_microbatches=n_microbatches, schedule=schedule)
     rc = plan_options.get("recompute") == "full"
     info, step = info_from_stage_plans(stages, pp, n_microbatches, v, schedule, sub, prefix, blocks, link, rc,
-                                       hw.idle_speedup(n_gpus))
+                                       hw.idle_speedup(n_gpus), hw.pipeline_core_shares(pp, sub.n_devices))
     worst = max(range(pp), key=lambda k: info.stages[k].peak_memory_bytes)
     params = sum(stages[s].param_state_bytes - stages[s].bucket_bytes for s in range(worst, n_stages, pp))
     sent = {k: info.predicted_bytes(k) for k in range(pp)}

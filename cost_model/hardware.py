@@ -129,6 +129,21 @@ class Hardware:
             return 1.0
         return max(1.0, min(n_devices, self.devices_per_node) / self.shared_cores)
 
+    def pipeline_core_shares(self, p: int, per_stage: int) -> tuple[tuple[float, ...], ...]:
+        """For each core the ranks of ``p`` pipeline stages (``per_stage`` consecutive ranks each)
+        share, the fraction of its ranks that run each stage: local rank r pinned to core
+        r % shared_cores, as ``autopar calibrate`` pins ranks that outnumber the cores
+        (``cost_model.pipeline``'s per-core bound). () where no ranks share a core."""
+        n = p * per_stage
+        cores = int(self.shared_cores)
+        if cores < 1 or self.idle_speedup(n) <= 1.0:
+            return ()
+        counts: dict[tuple[int, int], list[int]] = {}
+        for r in range(n):
+            core = (r // self.devices_per_node, (r % self.devices_per_node) % cores)
+            counts.setdefault(core, [0] * p)[r // per_stage] += 1
+        return tuple(tuple(c / sum(row) for c in row) for _, row in sorted(counts.items()))
+
     # ----------------------------------------------------------------------------------- mesh
 
     def mesh_links(self, sizes: tuple[int, ...]) -> tuple[Link, ...]:

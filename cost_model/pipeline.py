@@ -28,12 +28,19 @@ ones, which run up to ``idle_speedup`` faster. The step is then bounded by the m
 total work (every device's ``m`` micro-batches at the all-busy rate, shared by all of them:
 their mean) and by the schedule above run that much faster:
 ``max(m * mean_k t_k, step / idle_speedup)``; with ``idle_speedup`` 1 (GPUs) that is the
-schedule's step unchanged.
+schedule's step unchanged. Ranks pinned to cores (``autopar calibrate`` and the benchmarks pin
+them round robin) share only their own core: a core's work is its ranks' ``m`` micro-batches,
+done at the whole core's speed, so the step is also at least ``m * sum_k share_ck t_k`` for
+every core c, ``share_ck`` the fraction of its ranks that run stage k
+(``Hardware.pipeline_core_shares``). With every stage on every core that is the mean again;
+4 ranks on 2 cores running pp=4 put stages 0 and 2 on one core and 1 and 3 (the head's) on the
+other, whose ranks measured 141 + 432 ms of CPU a step against 149 + 138 on the first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from autopar.mesh import Link
 
@@ -106,9 +113,10 @@ class PipelineCost:
 
 
 def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v: int = 1,
-                  idle_speedup: float = 1.0) -> PipelineCost:
+                  idle_speedup: float = 1.0, core_shares: Sequence[Sequence[float]] = ()) -> PipelineCost:
     """Compose ``stages`` (``p * v`` of them, in model order; device k runs k, k + p, ...);
-    ``idle_speedup``: ``Hardware.idle_speedup`` of the pipeline's devices (see module doc)."""
+    ``idle_speedup``: ``Hardware.idle_speedup`` of the pipeline's devices, ``core_shares``:
+    ``Hardware.pipeline_core_shares`` (see module doc; () where no ranks share pinned cores)."""
     if len(stages) % v:
         raise ValueError(f"{len(stages)} stages do not split into v={v} chunks per device")
     p = len(stages) // v
@@ -128,7 +136,9 @@ def pipeline_cost(stages: list[StageCost], schedule: str, m: int, link: Link, v:
     else:
         step = (m + (p - 1) / v) * t_max
     ideal = m * t_max
-    step = max(m * sum(dev_seconds) / p, step / idle_speedup)
+    busy = max([m * sum(dev_seconds) / p] + [m * sum(share * t for share, t in zip(row, dev_seconds))
+                                             for row in core_shares])
+    step = max(busy, step / idle_speedup)
     return PipelineCost(schedule, p, m, v, step, bubble_fraction(schedule, p, m, v), step - ideal,
                         tuple(dev_seconds), tuple(dev_memory), p2p)
 

@@ -115,3 +115,22 @@ def test_oversubscribed_cpu_ranks_reclaim_the_pipeline_bubble():
     assert pipeline_cost(uneven, "1f1b", 4, link).step_seconds == pytest.approx(3 * 3.0 + 6.0)
     # the light stages' idle time goes to the heavy one: (9 + 6) / 2, more than the mean work 4 * 1.5
     assert pipeline_cost(uneven, "1f1b", 4, link, idle_speedup=2.0).step_seconds == pytest.approx(7.5)
+
+
+def test_pinned_ranks_share_only_their_own_core():
+    """4 ranks pinned round robin to 2 cores (as calibrate pins them): pp=4 puts stages 0 and 2
+    on one core and 1 and 3 on the other, so the heavy last stage's core carries 1 + 3 of work
+    per micro-batch, not the mean over all four; pp=2 x dp=2 has both stages on both cores."""
+    from autopar.cost_model.pipeline import StageCost, pipeline_cost
+    from autopar.mesh import Link
+
+    cpu = dataclasses.replace(get_hardware("cpu"), devices_per_node=4, shared_cores=2.0)
+    assert cpu.pipeline_core_shares(4, 1) == ((0.5, 0.0, 0.5, 0.0), (0.0, 0.5, 0.0, 0.5))
+    assert cpu.pipeline_core_shares(2, 2) == ((0.5, 0.5), (0.5, 0.5))
+    assert cpu.pipeline_core_shares(2, 1) == () and get_hardware("a100-80gb").pipeline_core_shares(4, 2) == ()
+    uneven, link = [StageCost(1.0, 0.0, 0.0)] * 3 + [StageCost(3.0, 0.0, 0.0)], Link("x", 1e9, 0.0)
+    shared = pipeline_cost(uneven, "1f1b", 4, link, idle_speedup=2.0, core_shares=cpu.pipeline_core_shares(4, 1))
+    assert shared.step_seconds == pytest.approx(4 * (1.0 + 3.0) / 2)  # 8, above the schedule's 15 / 2
+    even = [StageCost(1.0, 0.0, 0.0), StageCost(3.0, 0.0, 0.0)]
+    assert pipeline_cost(even, "1f1b", 4, link, idle_speedup=2.0, core_shares=cpu.pipeline_core_shares(2, 2)
+                         ).step_seconds == pytest.approx(pipeline_cost(even, "1f1b", 4, link, idle_speedup=2.0).step_seconds)
