@@ -58,7 +58,7 @@ PLANS: list[tuple[str, dict]] = [
 ]
 
 
-def _make_plan(model, inputs, hardware: str, options: dict):
+def make_plan(model, inputs, hardware: str, options: dict):
     from autopar.pipeline_stages import hand_pipeline_plan
     from autopar.planner import plan
 
@@ -84,7 +84,7 @@ def _plans_on_rank0(shape, hardware: str, names: list[str]) -> list[str | None]:
             model, inputs = build_model(shape)
             t0 = time.perf_counter()
             try:
-                texts.append(_make_plan(model, inputs, hardware, options).to_json())
+                texts.append(make_plan(model, inputs, hardware, options).to_json())
                 print(f"[fidelity] planned {name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
             except Exception as exc:  # a plan that cannot be made is a result too
                 texts.append(None)

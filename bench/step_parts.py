@@ -85,7 +85,7 @@ def _reference_step():
 
 
 def _rank(rank: int, port: int, names: list[str], hardware: str, rounds: int, profile: str | None) -> None:
-    from fidelity import PLANS, _make_plan
+    from fidelity import PLANS, make_plan
     from runtime_vs_baselines import FULL, build_model
 
     from autopar.calibrate_measure import pin_to_core
@@ -103,7 +103,7 @@ def _rank(rank: int, port: int, names: list[str], hardware: str, rounds: int, pr
         box = [None]
         if rank == 0:
             model, inputs = build_model(FULL)
-            box = [_make_plan(model, inputs, hardware, options[name]).to_json()]
+            box = [make_plan(model, inputs, hardware, options[name]).to_json()]
         dist.broadcast_object_list(box, src=0)
         plan = Plan.from_json(box[0])
         model, inputs = build_model(FULL)
