@@ -57,7 +57,13 @@ class ValidationReport:
 
 
 def _coords(rank: int, shape: Sequence[int]) -> tuple[int, ...]:
-    return tuple(int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(shape)))
+    """``rank``'s coordinates on a mesh of ``shape``, row-major (``torch.unravel_index``'s
+    order, in plain integers: through torch it was a quarter of the 3-axis validation's time)."""
+    coords = []
+    for size in reversed(tuple(shape)):
+        rank, c = divmod(rank, size)
+        coords.append(c)
+    return tuple(reversed(coords))
 
 
 def _split_local(full: torch.Tensor, layout: Layout, mesh_shape: Sequence[int], gen: torch.Generator):
