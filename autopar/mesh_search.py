@@ -57,8 +57,13 @@ def prepare_problem(gm: fx.GraphModule, mesh: MeshSpec, hw: Hardware, train: Tra
     return build_problem(gm, mesh, hw, train, pin, zero2=zero2 or (pin is not None and pin.zero2))
 
 
+class MemoryBinds(AutoparError):
+    """A first pass's plan on a mesh walks over the budget (``solve_mesh(defer_over_budget=True)``):
+    the mesh is left to the second pass, whose ZeRO-2 and recompute options it needs anyway."""
+
+
 def solve_mesh(problem: Problem, budget: float | None, time_limit_s: float,
-               first: SolveResult | None = None) -> Solved:
+               first: SolveResult | None = None, defer_over_budget: bool = False) -> Solved:
     """The mesh's plan under ``budget`` (``first``: a solve already made with the budget's row,
     such as an integral LP). The ILP's memory row is the sum of what a plan keeps; the walked
     peak also holds one op's gradients in flight (cost_model/grad_transients.py), a max the
@@ -68,6 +73,8 @@ def solve_mesh(problem: Problem, budget: float | None, time_limit_s: float,
     infeasible (never a plan over its budget). The rows never loosen again after a fit: the
     rows between a fit and an overshoot are the hard ones for HiGHS (on gpt-longseq's 2x2
     mesh with ZeRO-2 and recompute options, 1-7 s at the first rows, the time limit there).
+    ``defer_over_budget``: raise ``MemoryBinds`` instead of re-solving (a first pass whose second
+    pass will run: ``search_with_zero2``).
 
     A plan must be a function of its inputs (the ranks and the process that checks them plan
     alike), so only solves that reached their optimum count: a solve stopped by its wall-clock
@@ -84,6 +91,8 @@ def solve_mesh(problem: Problem, budget: float | None, time_limit_s: float,
     pred = evaluate(problem, result.choice)
     if budget is None or walked(pred, result.choice) <= budget:
         return Solved(problem.mesh, problem, result, pred)
+    if defer_over_budget:
+        raise MemoryBinds(f"the plan on mesh {problem.mesh} walks over the budget of {format_bytes(budget)}")
     first_bound, least = result.lower_bound_s, walked(pred, result.choice)
     over_row, dead_row, row = budget, -math.inf, budget  # rows known to give a plan over the budget, none at all
     walk: float | None = least
@@ -205,11 +214,14 @@ def _presolve(zero2: bool) -> bool:
 
 
 def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress, max_ilps: int = 3,
-            helper: "Any" = None, zero2: bool = False) -> tuple[Solved | None, int, str]:
+            helper: "Any" = None, zero2: bool = False, deferred: list[str] | None = None
+            ) -> tuple[Solved | None, int, str]:
     """Exact search over meshes: LP bounds first, then ILPs in bound order (module doc). An
     integral LP solution is already the ILP optimum of its mesh and needs no ILP. A
     ``helper`` process bounds some of the meshes meanwhile (the planner's forked helper), with the
-    same options (``train``, ``zero2``: parameters' ZeRO-2 options, see ``search_with_zero2``)."""
+    same options (``train``, ``zero2``: parameters' ZeRO-2 options, see ``search_with_zero2``).
+    ``deferred`` (a first pass): a mesh whose plan walks over the budget is not re-solved but
+    appended there, keeping its LP bound, and counts as tight (``Solved.tight_elsewhere``)."""
     if helper is not None and (helper.zero2 != zero2 or helper.bounds_train != train):
         raise ValueError("the helper bounds meshes with other options than this search's")
     search_started = time.perf_counter()
@@ -256,11 +268,17 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
         problem, lp = b.problem, b.lp
         started = time.perf_counter()
         try:
+            defer = deferred is not None
             if lp.integral:  # the ILP's optimum, unless its walk goes over the budget
-                s = solve_mesh(problem, budget, time_limit_s / max_ilps, first=lp)
+                s = solve_mesh(problem, budget, time_limit_s / max_ilps, first=lp, defer_over_budget=defer)
             else:
                 # the search's ILPs share the time limit: a hard mesh cannot stall the plan
-                s = solve_mesh(problem, budget, time_limit_s / max_ilps)
+                s = solve_mesh(problem, budget, time_limit_s / max_ilps, defer_over_budget=defer)
+        except MemoryBinds:
+            deferred.append(str(mesh))  # type: ignore[union-attr]
+            bound = min(bound, b.objective)
+            progress(f"mesh {mesh}: its plan walks over the budget; left to the pass with more memory options")
+            continue
         except InfeasibleBudgetError as exc:
             infeasible_need = min(infeasible_need, exc.need_bytes)
             # its LP bound still counts: re-solves stopped by the clock prove no infeasibility
@@ -300,7 +318,7 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
     if best is not None:
         best.search_bound = min(bound, best.prediction.step_seconds)
         best.unbounded = failed
-        best.tight_elsewhere = math.isfinite(infeasible_need) or any(b.tight for b in bounded)
+        best.tight_elsewhere = math.isfinite(infeasible_need) or any(b.tight for b in bounded) or bool(deferred)
         wider = [b.options_bound for b in bounded]
         best.options_bound = min(wider) if wider and all(w == w for w in wider) else math.nan
     return best, solved, note
@@ -342,21 +360,29 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
     nothing fits without them) goes to the second at once, and a wrong guess costs time, never
     a plan. ``helper`` bounds part of the first searched pass's meshes (the second's where
     ``skip_first``); ``helper_again()`` starts one for the second pass."""
-    def run(zero2: bool, helper, meshes):
+    def run(zero2: bool, helper, meshes, deferred: list[str] | None = None):
         spec = train if zero2 or train.recompute != "auto" else dataclasses.replace(train, recompute="none")
-        return search_meshes(gm, meshes, hw, spec, budget, time_limit_s, progress, helper=helper, zero2=zero2)
+        return search_meshes(gm, meshes, hw, spec, budget, time_limit_s, progress, helper=helper, zero2=zero2,
+                             deferred=deferred)
 
-    error = None
+    def first_pass(deferred: list[str] | None, helper):
+        try:
+            return (*run(False, helper, candidates, deferred), None)
+        except PinError:
+            raise
+        except AutoparError as exc:  # nothing fits, or the solver failed on every mesh: the second pass may plan
+            return None, 0, "", exc
+
     if skip_first:
         progress("memory is tight on every mesh (the forward's outputs over the devices exceed the budget): "
                  "searching with ZeRO-2 and recompute options at once")
         return run(True, helper, candidates)
-    try:
-        best, n_solved, note = run(False, helper, candidates)
-    except PinError:
-        raise
-    except AutoparError as exc:  # nothing fits, or the solver failed on every mesh: the second pass may plan
-        best, n_solved, note, error = None, 0, "", exc
+    # A mesh whose first-pass plan walks over the budget is left to the second pass, which then
+    # runs (memory binds there) with options that include the first's: its re-solves under
+    # tightened rows (HiGHS's hard rows; gpt-tiny on 4 devices under 2 MB: 9 s of 12) would only
+    # buy a fallback. Should the second pass plan nothing, the first runs again in full.
+    deferred: list[str] = []
+    best, n_solved, note, error = first_pass(deferred, helper)
     held = math.inf if best is None else held_peak_bytes(best.problem, best.result.choice, best.prediction)
     if (best is not None and held <= 0.9 * budget and not best.tight_elsewhere
             and best.options_bound == best.options_bound and not _options_may_win(best, held, budget, candidates)):
@@ -380,11 +406,16 @@ def search_with_zero2(gm, candidates, hw, train, budget, time_limit_s, progress,
         again, n_again, note_again = run(True, helper_again() if helper_again is not None else None, candidates)
     except PinError:
         raise
-    except AutoparError:
-        if best is None:
-            raise error
-        return _widened(best), n_solved, note
+    except AutoparError as exc:
+        again, n_again, note_again = None, 0, ""
+        error = error or exc
+    if again is None and deferred:  # the deferred meshes' first-pass plans, re-solved after all
+        progress(f"no plan with the options: planning {', '.join(deferred)} again without them")
+        best, n_first, note, error = first_pass(None, None)
+        n_solved += n_first
     if again is None:
+        if best is None:
+            raise error  # type: ignore[misc]
         return _widened(best), n_solved + n_again, note
     if best is None or again.prediction.step_seconds < best.prediction.step_seconds:
         if best is not None:

@@ -186,7 +186,7 @@ def test_mesh_search_ilps_share_the_time_limit_by_time_not_by_count(monkeypatch)
     mesh_search, clock, meshes = _fake_mesh_search(monkeypatch, 6)
 
     def run(ilp_seconds):
-        def solve_mesh(problem, budget, time_limit_s, first=None):
+        def solve_mesh(problem, budget, time_limit_s, first=None, defer_over_budget=False):
             clock[0] += ilp_seconds
             return _solved(mesh_search, problem, ilp_seconds)
 
@@ -208,7 +208,7 @@ def test_ilps_that_find_no_plan_within_the_budget_spend_the_time_limit_too(monke
     # Their LP bounds still count: re-solves stopped by the clock prove no infeasibility.
     mesh_search, clock, meshes = _fake_mesh_search(monkeypatch, 8)
 
-    def solve_mesh(problem, budget, time_limit_s, first=None):
+    def solve_mesh(problem, budget, time_limit_s, first=None, defer_over_budget=False):
         clock[0] += time_limit_s
         if clock[0] > time_limit_s:  # every mesh after the first
             raise InfeasibleBudgetError("over the budget once walked", 2.0)
@@ -253,7 +253,7 @@ def test_the_bounds_time_counts_against_the_time_limit_once_a_plan_exists(monkey
     # 175B on 1024 spent 53 s on bounds)
     mesh_search, clock, meshes = _fake_mesh_search(monkeypatch, 6, bounds_seconds=30.0)
 
-    def solve_mesh(problem, budget, time_limit_s, first=None):
+    def solve_mesh(problem, budget, time_limit_s, first=None, defer_over_budget=False):
         clock[0] += time_limit_s
         return _solved(mesh_search, problem, time_limit_s, "Time limit reached")
 
@@ -277,7 +277,7 @@ def test_the_mesh_whose_lp_rounds_to_the_fastest_plan_is_solved_first(monkeypatc
         return [mesh_search.Bound(i, 1e-3 * (i + 1), False, problem=i, lp=lp, rounded_s=rounded[i])
                 for i, _ in items], math.inf, "", ()
 
-    def solve_mesh(problem, budget, time_limit_s, first=None):
+    def solve_mesh(problem, budget, time_limit_s, first=None, defer_over_budget=False):
         clock[0] += time_limit_s
         result = types.SimpleNamespace(lower_bound_s=math.nan, status="Optimal", seconds=time_limit_s)
         step = 1.4 if problem == 3 else 2.0
