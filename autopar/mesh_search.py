@@ -238,6 +238,7 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
     if not bounded and pin_error and not math.isfinite(infeasible_need) and not failed:
         raise PinError(pin_error)
     bounded.sort(key=lambda b: (b.objective, b.index))
+    defer = deferred is not None  # a first pass: over-budget meshes go to the second (solve_mesh)
     _dive_first(bounded)
     bounds_seconds = time.perf_counter() - search_started
     best: Solved | None = None
@@ -268,14 +269,13 @@ def search_meshes(gm, meshes_and_pins, hw, train, budget, time_limit_s, progress
         problem, lp = b.problem, b.lp
         started = time.perf_counter()
         try:
-            defer = deferred is not None
             if lp.integral:  # the ILP's optimum, unless its walk goes over the budget
                 s = solve_mesh(problem, budget, time_limit_s / max_ilps, first=lp, defer_over_budget=defer)
             else:
                 # the search's ILPs share the time limit: a hard mesh cannot stall the plan
                 s = solve_mesh(problem, budget, time_limit_s / max_ilps, defer_over_budget=defer)
         except MemoryBinds:
-            deferred.append(str(mesh))  # type: ignore[union-attr]
+            deferred.append(str(mesh))  # type: ignore[union-attr]  # raised only where defer
             bound = min(bound, b.objective)
             progress(f"mesh {mesh}: its plan walks over the budget; left to the pass with more memory options")
             continue
