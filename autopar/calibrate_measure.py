@@ -242,8 +242,9 @@ def _time_collective(fn: Callable[[], Any], sync: Callable[[], None], group: Any
 
 # What the runtime calls, each timed on its own: gloo's reduce-scatter and all-gather are not
 # the ring algorithms the formulas assume (4 ranks on 2 cores: a reduce-scatter ~1.5x an
-# all-reduce of the same input, an all-gather ~1x), so each gets rates of its own.
-ALL_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")  # p2p: on pairs only
+# all-reduce of the same input, an all-gather ~1x), so each gets rates of its own. all_to_all:
+# the runtime's one call (``all_to_all_single``; Ulysses, an embedding cut on its hidden dim).
+ALL_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")  # p2p: pairs only
 
 
 def _measure_collectives(group: Any, n: int, device: torch.device, quick: bool,
@@ -251,7 +252,7 @@ def _measure_collectives(group: Any, n: int, device: torch.device, quick: bool,
                          kinds: tuple[str, ...] = ("all_reduce", "all_gather")) -> list[dict[str, Any]]:
     """This rank's times of each of ``kinds`` over the message sizes, on ``group`` of ``n``
     ranks (``bytes_per_rank``: all-reduce and broadcast the tensor, all-gather the gathered
-    output, reduce-scatter the whole input)."""
+    output, reduce-scatter and all-to-all the whole input)."""
     sync = _sync_fn(device)
     cuda = device.type == "cuda"
     sizes = (_SIZES_CUDA_QUICK if quick else _SIZES_CUDA) if cuda else (_SIZES_CPU_QUICK if quick else _SIZES_CPU)
@@ -287,6 +288,7 @@ def _measure_collectives(group: Any, n: int, device: torch.device, quick: bool,
                "all_gather": lambda: gather(out, shard, group=group),
                "reduce_scatter": lambda: scatter(shard, full, group=group),
                "broadcast": lambda: dist.broadcast(full, src=root, group=group),
+               "all_to_all": lambda: dist.all_to_all_single(out, full, group=group),
                "p2p": lambda: p2p(full)}
         for name in (k for k in kinds if k != "p2p" or n == 2):
             fn = fns[name]

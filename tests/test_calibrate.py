@@ -103,7 +103,7 @@ def test_two_gloo_ranks_calibrate_a_profile_that_plans(tmp_path, capsys, report_
     # cost_model.comm's formulas, reproduces each of those fits.
     assert {p.collective for p in cal.intra.points} == {"all_reduce", "all_gather"}
     assert {(f.points[0].collective, f.points[0].n_ranks) for f in cal.per_collective} == {
-        (k, 2) for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")}
+        (k, 2) for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")}
     assert len(link.per_collective) == len(cal.per_collective)
     ratios = []
     for fit in cal.per_collective:
