@@ -22,7 +22,8 @@ What is measured, on every rank at once (each rank is one "device" of the profil
   (``autopar.optim.cpu_kernels.adam_step``, as ``runtime/offload.py`` calls it), on the CPU
   whatever the device: the offloaded step's price. Profiles not calibrated keep a default.
 - ``memory_bytes``: device memory (CUDA) or the machine's RAM (CPU; all local ranks share it).
-- ``shared_cores`` (CPU): the cores the ranks share (``os.sched_getaffinity``), so that the
+- ``shared_cores`` (CPU): the cores the ranks share (the union of the node's ranks'
+  ``os.sched_getaffinity``: a rank pinned to one core sees only its own), so that the
   pipeline's bubble is priced as the oversubscribed machine runs it (``cost_model/pipeline.py``).
 - ``comm_overlap``: how much of an asynchronous all-reduce hides behind matmuls running at the
   same time (``cost_model/overlap.py`` hides that fraction of the bucketed gradient all-reduces
@@ -83,7 +84,7 @@ from .cost_model.hardware import Hardware, get_hardware
 from .mesh import Link
 
 __all__ = ["Calibration", "CalibrationError", "CollectivePoint", "DeviceMeasurements", "LinkFit",
-           "calibrate", "calibration_to_dict", "fit_link", "fit_per_collective", "format_summary",
+           "calibrate", "calibrate_in_group", "calibration_to_dict", "fit_link", "fit_per_collective", "format_summary",
            "with_per_collective"]
 
 DEFAULT_CPU_RANKS = 4
@@ -252,35 +253,55 @@ def calibrate(out: str | None = None, *, nproc: int | None = None, quick: bool =
     backend = "nccl" if cuda else "gloo"
     base = get_hardware(links_from) if links_from else None
     if _under_torchrun():
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
         if cuda:
             torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
         dist.init_process_group(backend)
         try:
-            measured = rank_measure(rank, world, local_world, dev, quick, t0, progress)
+            return calibrate_in_group(out, quick=quick, name=name, links_from=links_from, progress=progress, t0=t0)
         finally:
             dist.destroy_process_group()
-        if measured is None:
-            return None
+    nproc = nproc if nproc is not None else (torch.cuda.device_count() if cuda else DEFAULT_CPU_RANKS)
+    if nproc < 1 or (cuda and nproc > torch.cuda.device_count()):
+        most = f" and at most {torch.cuda.device_count()} (the CUDA devices)" if cuda else ""
+        raise CalibrationError(f"--nproc {nproc}: need at least 1 rank{most}; pass e.g. --nproc 4")
+    if nproc == 1:
+        if base is None:
+            raise CalibrationError("one rank cannot measure a link; use --nproc 2 or more, or copy the links "
+                                   "from a built-in profile with --links-from NAME (e.g. h100-80gb)")
+        dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        say = (lambda m: print(f"  [calibrate {time.perf_counter() - t0:5.1f} s] {m}", file=sys.stderr,
+                               flush=True)) if progress else (lambda m: None)
+        measured = dict(device=measure_device(dev, quick, say), intra=None, inter=None, n_ranks=1,
+                        devices_per_node=1, n_nodes=1, comm_overlap=None)
     else:
-        nproc = nproc if nproc is not None else (torch.cuda.device_count() if cuda else DEFAULT_CPU_RANKS)
-        if nproc < 1 or (cuda and nproc > torch.cuda.device_count()):
-            most = f" and at most {torch.cuda.device_count()} (the CUDA devices)" if cuda else ""
-            raise CalibrationError(f"--nproc {nproc}: need at least 1 rank{most}; pass e.g. --nproc 4")
-        if nproc == 1:
-            if base is None:
-                raise CalibrationError("one rank cannot measure a link; use --nproc 2 or more, or copy the links "
-                                       "from a built-in profile with --links-from NAME (e.g. h100-80gb)")
-            dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
-            say = (lambda m: print(f"  [calibrate {time.perf_counter() - t0:5.1f} s] {m}", file=sys.stderr,
-                                   flush=True)) if progress else (lambda m: None)
-            measured = dict(device=measure_device(dev, quick, say), intra=None, inter=None, n_ranks=1,
-                            devices_per_node=1, n_nodes=1, comm_overlap=None)
-        else:
-            measured = spawn_ranks(nproc, backend, quick, t0, progress)
+        measured = spawn_ranks(nproc, backend, quick, t0, progress)
+    return _finish(measured, backend, name, links_from, base, t0, out)
+
+
+def calibrate_in_group(out: str | None = None, *, quick: bool = False, name: str | None = None,
+                       links_from: str | None = None, progress: bool = True, t0: float | None = None
+                       ) -> Calibration | None:
+    """Calibrate with the process group this job has already initialised: every rank calls it,
+    rank 0 gets the :class:`Calibration` (and writes ``out``), the others ``None``. A job measures
+    the machine in place, as its own processes load it (``bench/fidelity.py`` calibrates between
+    the rounds it times this way). CUDA ranks measure their current device; ``LOCAL_WORLD_SIZE``
+    (torchrun's) says how many ranks share a node, else all do."""
+    t0 = time.perf_counter() if t0 is None else t0
+    backend = dist.get_backend()
+    cuda = backend == "nccl"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    measured = rank_measure(rank, world, local_world, dev, quick, t0, progress)
+    if measured is None:
+        return None
+    base = get_hardware(links_from) if links_from else None
+    return _finish(measured, "nccl" if cuda else "gloo", name, links_from, base, t0, out)
+
+
+def _finish(measured: dict[str, Any], backend: str, name: str | None, links_from: str | None,
+            base: Hardware | None, t0: float, out: str | None) -> Calibration:
     result = _build(measured, backend, name, links_from, base, time.perf_counter() - t0)
     if out is not None:
         with open(out, "w", encoding="utf-8") as fh:
@@ -329,7 +350,8 @@ def _build(measured: dict[str, Any], backend: str, name: str | None, links_from:
         efficiency=1.0,  # measured rates already include kernel efficiency; CPU: fitted below
         comm_overlap=float(overlap) if overlap is not None else (base.comm_overlap if base is not None else 0.0),
         # CPU ranks share this machine's cores (the rates above are each rank's share of them)
-        shared_cores=float(len(os.sched_getaffinity(0))) if dev.device == "cpu" else 0.0,
+        shared_cores=float(measured.get("shared_cores") or len(os.sched_getaffinity(0)))
+        if dev.device == "cpu" else 0.0,
     )
     reference = fit_efficiency(hardware, dev.reference_step_seconds) if dev.reference_step_seconds > 0 else None
     if reference is not None:

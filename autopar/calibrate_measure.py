@@ -378,14 +378,18 @@ def rank_measure(rank: int, world: int, local_world: int, device: torch.device, 
         say(f"intra-node groups of {size} ranks, all at once")
         intra += _measure_collectives(sub, size, device, quick, say, ALL_KINDS)
     overlap = _measure_overlap(None, world, device, quick, say)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     everything: list[Any] = [None] * world
-    dist.all_gather_object(everything, (device_rates, intra, inter, overlap))
+    dist.all_gather_object(everything, (device_rates, intra, inter, overlap, cores))
     if rank != 0:
         return None
+    # the cores rank 0's node's ranks share: the union of their affinities (a rank pinned to one
+    # core, as pin_to_core does, sees only its own)
+    shared = set().union(*(e[4] for e in everything[:local_world]))
     return dict(device=_combine_device(everything), intra=_combine_points([e[1] for e in everything]),
                 inter=None if inter is None else _combine_points([e[2] for e in everything]),
                 n_ranks=world, devices_per_node=local_world, n_nodes=n_nodes,
-                comm_overlap=statistics.median(e[3] for e in everything))
+                comm_overlap=statistics.median(e[3] for e in everything), shared_cores=len(shared))
 
 
 def _combine_device(per_rank: list[Any]) -> dict[str, Any]:

@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from autopar.calibrate import (CalibrationError, CollectivePoint, calibrate, fit_link, fit_per_collective,
-                               with_per_collective)
+from autopar.calibrate import (CalibrationError, CollectivePoint, calibrate, calibrate_in_group, fit_link,
+                               fit_per_collective, with_per_collective)
 from autopar.cli import main
 from autopar.cost_model.comm import collective_s
 from autopar.cost_model.hardware import PROFILES, get_hardware
@@ -22,6 +22,50 @@ from autopar.mesh import Link
 # that forgets the ring's (n-1)/n) moves most points, one scheduling stall moves one.
 MEASURED_FIT_FACTOR = 3.0
 MEDIAN_FIT_FACTOR = 1.6
+
+
+# ``calibrate_in_group``: a job that has its process group up calibrates with its own ranks
+# (bench/fidelity.py does so between the rounds it times). Runs in the suite's 2-rank launch.
+LAUNCH_CASES = {2: [("in-group", "test_calibrate:in_group_case", {})]}
+
+
+def in_group_case(rank: int, world: int) -> dict:
+    import os
+
+    import torch.distributed as dist
+    from launcher import scratch_dir
+
+    path = os.path.join(scratch_dir(), "in-group-profile.json")
+    # each rank pinned to a core of its own, as bench/fidelity.py's are: rank 0 alone sees one
+    before = os.sched_getaffinity(0)
+    cores = sorted(before)
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    try:
+        cal = calibrate_in_group(path if rank == 0 else None, quick=True, progress=False)
+    finally:
+        os.sched_setaffinity(0, before)
+    got: list = [None] * world
+    dist.all_gather_object(got, cal is None)
+    if rank != 0:
+        return {}
+    return dict(path=path, others_none=got[1:], hardware=cal.hardware.to_json(), n_ranks=cal.n_ranks,
+                cores=len({cores[r % len(cores)] for r in range(world)}))
+
+
+def test_ranks_already_in_a_group_calibrate_in_place(launched, capsys):
+    """Rank 0 gets the calibration and writes it; the other ranks get None; the profile is
+    the 2-rank link it measured and plans."""
+    got = launched(2)["in-group"]
+    assert "error" not in got, got.get("error")
+    assert got["others_none"] == [True] and got["n_ranks"] == 2
+    hw = get_hardware(got["path"])
+    assert hw.to_json() == got["hardware"] and hw.devices_per_node == 2
+    assert {row[0] for row in hw.intra_node.per_collective} >= {"all_reduce", "all_gather", "all_to_all", "p2p"}
+    # the cores both ranks may run on (the union of their affinities), whatever rank 0 alone sees
+    assert 0.2 <= hw.efficiency <= 1.0 and hw.shared_cores == got["cores"]
+    capsys.readouterr()
+    assert main(["plan", "mlp", "--gpus", "2", "--hardware", got["path"], "--quiet", "--no-baselines"]) == 0
+    assert f"2 x {hw.name}" in capsys.readouterr().out
 
 
 def _points(link: Link, n_ranks: int) -> list[CollectivePoint]:
