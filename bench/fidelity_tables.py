@@ -9,7 +9,7 @@ import statistics
 
 from report_tables import spearman, table
 
-__all__ = ["plan_fidelity", "print_plan_fidelity"]
+__all__ = ["plan_fidelity", "print_plan_fidelity", "same_layout"]
 
 MIB = 2**20
 STEP_TARGET, MEMORY_TARGET, SPEARMAN_TARGET = 0.25, 0.10, 0.9  # issue 19's "done when"
@@ -38,6 +38,15 @@ def plan_fidelity(records: list[dict]) -> dict:
                 passes=dict(spearman=rho >= SPEARMAN_TARGET, step_error=median_err <= STEP_TARGET,
                             memory=all(abs(r["peak_ratio"] - 1) <= MEMORY_TARGET for r in ok),
                             auto_beats_predicted=all(v["measured_speedup"] >= 1.0 for v in versus)))
+
+
+def same_layout(plan, record: dict) -> bool:
+    """``plan`` is the layout ``record`` timed: the same mesh and the same bytes per collective
+    (another layout on the same mesh moves other bytes)."""
+    was = record["predicted_comm_bytes"]
+    now = {str(k): float(v) for k, v in plan.comm_bytes.items()}
+    return str(plan.mesh) == record["mesh"] and all(
+        abs(now.get(k, 0.0) - was.get(k, 0.0)) <= 1e-6 * max(was.get(k, 0.0), 1.0) for k in set(now) | set(was))
 
 
 def print_plan_fidelity(records: list[dict], fig: dict, hardware: str) -> None:

@@ -46,20 +46,11 @@ def scaled_profile(profile: dict, scale: float, what: str) -> dict:
     return out
 
 
-def _same_layout(plan, record: dict) -> bool:
-    """The re-priced plan is the one the run timed: the same mesh and the same bytes per
-    collective (another layout on the same mesh moves other bytes)."""
-    was = record["predicted_comm_bytes"]
-    now = {str(k): float(v) for k, v in plan.comm_bytes.items()}
-    return str(plan.mesh) == record["mesh"] and all(
-        abs(now.get(k, 0.0) - was.get(k, 0.0)) <= 1e-6 * max(was.get(k, 0.0), 1.0) for k in set(now) | set(was))
-
-
 def reprice(run: dict, scale: float, what: str) -> tuple[dict, list[str]]:
     """(the fidelity figures of ``run``'s measured steps against the re-priced plans, one
     ``plan:ratio`` note per plan)."""
     from fidelity import PLANS, make_plan
-    from fidelity_tables import plan_fidelity
+    from fidelity_tables import plan_fidelity, same_layout
     from runtime_vs_baselines import FULL, build_model
 
     measured = {r["plan"]: r for r in run["records"] if r.get("ok")}
@@ -78,7 +69,7 @@ def reprice(run: dict, scale: float, what: str) -> tuple[dict, list[str]]:
                                 predicted_peak_bytes=plan.peak_memory_bytes_per_device,
                                 baselines=[dict(name=b.name, step_seconds=b.step_seconds, feasible=b.feasible)
                                            for b in plan.baselines]))
-            other = "" if _same_layout(plan, was) else f" (re-planned: {plan.mesh})"
+            other = "" if same_layout(plan, was) else f" (re-planned: {plan.mesh})"
             notes.append(f"{name} {was['measured_step_s'] / plan.step_seconds:.2f}{other}")
     return plan_fidelity(records), notes
 

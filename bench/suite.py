@@ -39,7 +39,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import fidelity  # noqa: E402
-from fidelity_tables import plan_fidelity, print_plan_fidelity  # noqa: E402
 from report_tables import fidelity_rows, print_fidelity, print_runtime, print_scaling  # noqa: E402
 from runtime_vs_baselines import FULL, QUICK, build_model  # noqa: E402
 
@@ -217,12 +216,11 @@ def main() -> None:
     if "fidelity" not in args.skip:
         names = [n for n, _ in fidelity.PLANS if not (args.quick and n == "pp4")]  # --quick: 2 blocks
         _log(f"fidelity: {len(names)} plans, one 4-rank launch, round-robin")
-        records, reference = fidelity.run(names, args.quick, hardware, 2 if args.quick else 7)
-        drift = fidelity.reference_drift(hardware, reference)
-        results["fidelity_plans"] = dict(records=records, figures=plan_fidelity(records), reference_drift=drift)
+        records, reference, between = fidelity.run(names, args.quick, hardware, 2 if args.quick else 7,
+                                                   os.path.dirname(os.path.abspath(args.json)))
         print()
-        print_plan_fidelity(records, results["fidelity_plans"]["figures"], hardware)
-        fidelity.print_drift(drift)
+        results["fidelity_plans"] = dict(records=records, **fidelity.report(records, reference, hardware, between,
+                                                                            args.quick))
     if "scaling" not in args.skip:
         budget = args.scaling_budget if args.scaling_budget is not None else (45 if args.quick else 240)
         results["scaling"] = run_scaling(args.quick, budget, 45 if args.quick else 120)

@@ -1,0 +1,47 @@
+"""A plan priced again under another hardware profile, its layout unchanged: the same mesh and
+every decision's same option, priced by the cost model with the other profile's rates.
+
+``bench/fidelity.py`` calibrates a second time halfway through its rounds and prices the plans
+it timed with that profile. Planning them again would not do: on another profile the planner
+may pick another layout for a family (a cut of the embedding, a ZeRO axis), and that layout's
+price says nothing about the one timed. autopar itself never needs this (a plan is priced where
+it is made), so it lives with the bench.
+"""
+
+from __future__ import annotations
+
+from autopar.cost_model.evaluate import evaluate
+from autopar.cost_model.hardware import Hardware
+from autopar.cost_model.problem import build_problem
+from autopar.passes.annotate import annotate
+
+__all__ = ["price_again"]
+
+
+def price_again(plan, hardware: Hardware) -> float | None:
+    """``plan``'s step seconds under ``hardware``; ``plan`` is an in-memory plan (``autopar.plan``
+    keeps its problem and choice). None where that cannot be done exactly: a pipelined plan (its
+    stages are priced by the pipeline search) or a decision whose option is not offered again."""
+    problem, choice = plan.problem, plan.choice
+    if problem is None or plan.pipeline is not None or not problem.decisions:
+        return None
+    gm = next(iter(problem.decisions.values())).node.graph.owning_module
+    mesh = hardware.mesh_spec(problem.mesh.axes, problem.mesh.sizes)  # the mesh's links: this profile's
+    annotate(gm, mesh)  # the search may have annotated the graph for another mesh last
+    # no pins and ZeRO-2 offered: every option a pinned family or the search could have chosen
+    again = build_problem(gm, mesh, hardware, problem.train, None, zero2=True)
+    mapped: dict[str, int] = {}
+    for key, index in choice.items():
+        if key not in problem.decisions:  # recompute and offload switches: 0/1 as they were
+            mapped[key] = index
+            continue
+        if key not in again.decisions:
+            return None
+        was = problem.decisions[key].options[index]
+        found = [i for i, option in enumerate(again.decisions[key].options) if option == was]
+        if not found:
+            return None
+        mapped[key] = found[0]
+    if set(again.decisions) - set(mapped):
+        return None
+    return evaluate(again, mapped).step_seconds
