@@ -1,7 +1,7 @@
 """Does the cost model rank plans the way they run? Predicted vs measured step time and peak
 memory of many autopar plans of one GPT, timed round-robin in ONE launch of 4 CPU ranks.
 
-    python bench/fidelity.py                      # ~5 min: calibrates in the launch, twice
+    python bench/fidelity.py                      # ~7 min: one launch that calibrates 4 times
     python bench/fidelity.py --hardware hw.json   # plan with an existing profile (autopar calibrate --out)
     python bench/fidelity.py --quick              # tiny model, 2 rounds, quick calibrations: a smoke run
 
@@ -19,12 +19,13 @@ rank), so the cost model prices the oversubscribed machine; the profile's comput
 fitted there too, to a reference step of another, smaller GPT (``autopar/calibrate_reference.py``),
 never to these plans.
 
-Two calibrations, both by the launch's own ranks: one before planning (the plans are made with
-it), one halfway through the rounds, once every plan is set up. This machine's speed moves by
-10-30% within a minute or two, so the first can describe another machine than the rounds ran on;
-the second measured the minutes the steps were timed. Every plan timed is priced under both,
-its layout unchanged (``bench/fidelity_reprice.py``; a pipeline is planned again), and both
-sets of figures are printed. The pick is judged by what the planner predicted when it picked.
+Calibrations by the launch's own ranks: one before planning (the plans are made with it), then
+three more once every plan is set up, after the first and second thirds of the rounds and after
+the last; their median (``bench/fidelity_reprice.py``) is the profile of the rounds. This
+machine's speed moves by 10-30% within a minute or two, so the first can describe another
+machine than the rounds ran on. Every plan timed is priced under both profiles, its layout
+unchanged (a pipeline is planned again), and both sets of figures are printed. The pick is
+judged by what the planner predicted when it picked.
 
 Prints the per-plan table and the fidelity figures (Spearman of predicted vs measured step
 time, median |measured/predicted - 1|, peak memory ratios, the planner's pick vs every
@@ -196,9 +197,12 @@ def _rank(rank: int, port: int, names: list[str], quick: bool, hardware: str, ro
     times: dict[str, list[float]] = {n: [] for n in runs}
     ref_times: list[float] = []
     sent: dict[str, dict] = {}
+    # calibrated again, the plans set up, three times across the rounds (after each third):
+    # the profile of the rounds is their median (fidelity_reprice.median_profile)
+    thirds = [between.replace(".json", f"-{j}.json") for j in (1, 2, 3)]
     for k in range(rounds):
-        if k == rounds // 2:  # calibrate again halfway, the plans set up: the machine of the rounds
-            _calibrate_here(between, quick)
+        if k in (rounds // 3, 2 * rounds // 3) and k > 0:
+            _calibrate_here(thirds[0 if k == rounds // 3 else 1], quick)
         _say(f"round {k + 1} of {rounds}")
         for name, (module, opt, inputs) in runs.items():
             dist.barrier()
@@ -210,6 +214,13 @@ def _rank(rank: int, port: int, names: list[str], quick: bool, hardware: str, ro
         t0 = time.perf_counter()
         _train_step(ref_model, ref_opt, ref_inputs)
         ref_times.append(time.perf_counter() - t0)
+    _calibrate_here(thirds[2], quick)
+    if rank == 0:
+        from fidelity_reprice import median_profile
+
+        done = [t for t in thirds if os.path.isfile(t)]
+        with open(between, "w") as f:
+            json.dump(median_profile([json.load(open(t)) for t in done]), f, indent=1)
     mine_ref = [None] * WORLD
     dist.all_gather_object(mine_ref, statistics.median(ref_times))
     mine = {n: dict(peak=r.get("peak_bytes"), sent=sent.get(n)) for n, r in records.items()}
@@ -231,7 +242,7 @@ def _rank(rank: int, port: int, names: list[str], quick: bool, hardware: str, ro
 
 def run(names: list[str], quick: bool, hardware: str, rounds: int, profiles_dir: str) -> tuple[list[dict], dict, str]:
     """(per-plan records, calibrate's reference step as timed in the same rounds, the profile
-    calibrated halfway through the rounds). ``hardware="calibrate"``: the plans are made with a
+    calibrated during the rounds: the median of three). ``hardware="calibrate"``: the plans are made with a
     profile these ranks measure first (``profiles_dir/cpu-calibrated.json``)."""
     import tempfile
 
@@ -303,9 +314,9 @@ def print_drift(drift: dict) -> None:
 
 def report(records: list[dict], reference: dict, hardware: str, between: str, quick: bool) -> dict:
     """Print the fidelity figures twice and return them: priced with the profile the plans were
-    made with (calibrated before they were set up), then with the profile calibrated halfway
-    through the rounds, which measured the machine in the minutes the steps were timed. The
-    pick is judged by what the planner predicted when it picked (the first profile)."""
+    made with (calibrated before they were set up), then with the profile calibrated during the
+    rounds, which measured the machine in the minutes the steps were timed. The pick is judged
+    by what the planner predicted when it picked (the first profile)."""
     from fidelity_tables import plan_fidelity, print_plan_fidelity
 
     figures = plan_fidelity(records)
@@ -318,14 +329,15 @@ def report(records: list[dict], reference: dict, hardware: str, between: str, qu
     during.pop("auto_vs_baselines")
     during["passes"].pop("auto_beats_predicted")
     drift_during = reference_drift(between, reference)
-    print(f"\nThe same steps priced with the profile calibrated halfway through the rounds ({between}):")
+    print(f"\nThe same steps priced with the profile calibrated during the rounds ({between}: the median of "
+          "three calibrations, after the first and second thirds of the rounds and after the last):")
     for r in (r for r in again if r.get("ok")):
         print(f"  {r['plan']:<13} {r['predicted_step_s'] * 1e3:6.0f} ms predicted  {r['measured_step_s'] * 1e3:6.0f} measured"
               f"  {r['step_ratio']:.2f}")
     for note in notes:
         print(f"  note: {note}")
     print(f"  calibrate's reference step in the rounds vs this profile: {drift_during['ratio']:.2f}x")
-    for label, fig in (("the profile the plans were made with", figures), ("the profile calibrated between the rounds", during)):
+    for label, fig in (("the profile the plans were made with", figures), ("the profile calibrated during the rounds", during)):
         p = fig["passes"]
         print(f"Done-when step figures (issue 19), {label}: Spearman {fig['spearman_step_time']:.2f} "
               f"({'ok' if p['spearman'] else 'NOT MET'}), median step error {fig['median_abs_step_error']:.0%} "

@@ -1,8 +1,8 @@
 """A plan priced again under another hardware profile, its layout unchanged: the same mesh and
 every decision's same option, priced by the cost model with the other profile's rates.
 
-``bench/fidelity.py`` calibrates a second time halfway through its rounds and prices the plans
-it timed with that profile. Planning them again would not do: on another profile the planner
+``bench/fidelity.py`` calibrates again during its rounds (three times; ``median_profile``
+combines them) and prices the plans it timed with that profile. Planning them again would not do: on another profile the planner
 may pick another layout for a family (a cut of the embedding, a ZeRO axis), and that layout's
 price says nothing about the one timed. autopar itself never needs this (a plan is priced where
 it is made), so it lives with the bench.
@@ -15,7 +15,35 @@ from autopar.cost_model.hardware import Hardware
 from autopar.cost_model.problem import build_problem
 from autopar.passes.annotate import annotate
 
-__all__ = ["price_again"]
+__all__ = ["median_profile", "price_again"]
+
+
+def median_profile(profiles: list[dict]) -> dict:
+    """One profile from several calibrations of the same machine (``Hardware.to_json`` dicts):
+    every number the median of its values, each measured collective's bandwidth and latency
+    (rows matched by collective and group size) too. This machine's speed moves within a minute;
+    calibrations spread across the rounds describe the minutes the rounds ran in."""
+    def median(values: list):
+        values = sorted(values)
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    first = profiles[0]
+    out: dict = {}
+    for key, value in first.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float, dict)):
+            out[key] = value
+        elif isinstance(value, dict):
+            out[key] = median_profile([p[key] for p in profiles])
+        else:
+            out[key] = median([p[key] for p in profiles])
+    if "per_collective" in first:
+        rows = []
+        for kind, n, _, _ in first["per_collective"]:
+            same = [r for p in profiles for r in p["per_collective"] if r[0] == kind and r[1] == n]
+            rows.append([kind, n, median([r[2] for r in same]), median([r[3] for r in same])])
+        out["per_collective"] = rows
+    return out
 
 
 def price_again(plan, hardware: Hardware) -> float | None:
