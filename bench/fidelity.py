@@ -197,12 +197,17 @@ def _rank(rank: int, port: int, names: list[str], quick: bool, hardware: str, ro
     times: dict[str, list[float]] = {n: [] for n in runs}
     ref_times: list[float] = []
     sent: dict[str, dict] = {}
-    # calibrated again, the plans set up, three times across the rounds (after each third):
-    # the profile of the rounds is their median (fidelity_reprice.median_profile)
-    thirds = [between.replace(".json", f"-{j}.json") for j in (1, 2, 3)]
+    # calibrated again, the plans set up, after the first and second thirds of the rounds and
+    # after the last: the profile of the rounds is their median (fidelity_reprice.median_profile)
+    calibrated: list[str] = []
+
+    def calibrate_again() -> None:
+        calibrated.append(between.replace(".json", f"-{len(calibrated) + 1}.json"))
+        _calibrate_here(calibrated[-1], quick)
+
     for k in range(rounds):
-        if k in (rounds // 3, 2 * rounds // 3) and k > 0:
-            _calibrate_here(thirds[0 if k == rounds // 3 else 1], quick)
+        if k in {rounds // 3, 2 * rounds // 3} - {0}:
+            calibrate_again()
         _say(f"round {k + 1} of {rounds}")
         for name, (module, opt, inputs) in runs.items():
             dist.barrier()
@@ -214,13 +219,12 @@ def _rank(rank: int, port: int, names: list[str], quick: bool, hardware: str, ro
         t0 = time.perf_counter()
         _train_step(ref_model, ref_opt, ref_inputs)
         ref_times.append(time.perf_counter() - t0)
-    _calibrate_here(thirds[2], quick)
+    calibrate_again()
     if rank == 0:
         from fidelity_reprice import median_profile
 
-        done = [t for t in thirds if os.path.isfile(t)]
         with open(between, "w") as f:
-            json.dump(median_profile([json.load(open(t)) for t in done]), f, indent=1)
+            json.dump(median_profile([json.load(open(path)) for path in calibrated]), f, indent=1)
     mine_ref = [None] * WORLD
     dist.all_gather_object(mine_ref, statistics.median(ref_times))
     mine = {n: dict(peak=r.get("peak_bytes"), sent=sent.get(n)) for n, r in records.items()}

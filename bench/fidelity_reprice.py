@@ -2,13 +2,15 @@
 every decision's same option, priced by the cost model with the other profile's rates.
 
 ``bench/fidelity.py`` calibrates again during its rounds (three times; ``median_profile``
-combines them) and prices the plans it timed with that profile. Planning them again would not do: on another profile the planner
-may pick another layout for a family (a cut of the embedding, a ZeRO axis), and that layout's
-price says nothing about the one timed. autopar itself never needs this (a plan is priced where
+combines them) and prices the plans it timed with that profile. Planning them again would not
+do: on another profile the planner may pick another layout for a family (a cut of the
+embedding, a ZeRO axis), and that layout's price says nothing about the one timed. autopar itself never needs this (a plan is priced where
 it is made), so it lives with the bench.
 """
 
 from __future__ import annotations
+
+from statistics import median
 
 from autopar.cost_model.evaluate import evaluate
 from autopar.cost_model.hardware import Hardware
@@ -23,11 +25,6 @@ def median_profile(profiles: list[dict]) -> dict:
     every number the median of its values, each measured collective's bandwidth and latency
     (rows matched by collective and group size) too. This machine's speed moves within a minute;
     calibrations spread across the rounds describe the minutes the rounds ran in."""
-    def median(values: list):
-        values = sorted(values)
-        mid = len(values) // 2
-        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
     first = profiles[0]
     out: dict = {}
     for key, value in first.items():
@@ -35,8 +32,8 @@ def median_profile(profiles: list[dict]) -> dict:
             out[key] = value
         elif isinstance(value, dict):
             out[key] = median_profile([p[key] for p in profiles])
-        else:
-            out[key] = median([p[key] for p in profiles])
+        else:  # a count (devices per node) stays a whole number
+            out[key] = type(value)(median([p[key] for p in profiles]))
     if "per_collective" in first:
         rows = []
         for kind, n, _, _ in first["per_collective"]:
