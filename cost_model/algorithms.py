@@ -1,4 +1,5 @@
-"""Prices of the runtime algorithms that replace plain reshards: ring attention and SUMMA.
+"""Prices of the runtime algorithms that replace plain reshards: ring attention, SUMMA, the sharded
+layer norm and the vocabulary-parallel cross-entropy.
 
 Each function lists the collectives one rank runs, as :class:`~autopar.cost_model.reshard.CommStep`
 records (one per call), so the problem prices them with ``steps_seconds`` and the evaluator
@@ -12,7 +13,7 @@ from .reshard import CommStep
 
 import math
 
-__all__ = ["ring_attention_steps", "summa_steps", "sharded_norm_steps"]
+__all__ = ["ring_attention_steps", "summa_steps", "sharded_norm_steps", "vocab_parallel_ce_steps"]
 
 
 def ring_attention_steps(k_local_bytes: float, v_local_bytes: float, n: int, axis: int,
@@ -61,3 +62,12 @@ def sharded_norm_steps(rows_local: int, axis: int, elem_bytes: float, backward: 
     if backward:
         steps.append(CommStep("all_reduce", axis, 2 * stat))
     return steps
+
+
+def vocab_parallel_ce_steps(rows: int, n: int, axis: int, elem_bytes: float) -> list[CommStep]:
+    """Cross-entropy over logits split on the class dim (``runtime.vocab_parallel_ce``): one
+    all-gather of three per-row statistics (max, sum of exponentials, the target's logit), in
+    fp32 or wider, from each of the ``n`` ranks; the backward is local. Recompute repeats it."""
+    if n <= 1:
+        return []
+    return [CommStep("all_gather", axis, n * rows * 3 * max(elem_bytes, 4.0))]

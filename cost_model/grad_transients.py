@@ -65,7 +65,9 @@ def backward_transient_bytes(node: fx.Node, strategy: Strategy, mesh: MeshSpec, 
         if x.op == "get_attr" or not needs.get(x.name, False):
             continue  # a parameter's gradient is counted as a gradient
         in_bytes += _float_bytes(_tensor(x), layout.local_fraction(mesh), train)
-    inner = _INNER_GRADS.get(node.target, 0.0)
+    # A technique's kernel replaces torch's composite: its backward holds no such inner gradient
+    # (the vocabulary-parallel cross-entropy makes the logits' gradient in one buffer).
+    inner = _INNER_GRADS.get(node.target, 0.0) if strategy.technique is None else 0.0
     if inner and inputs and strategy.inputs:
         inner *= _float_bytes(_tensor(inputs[0]), strategy.inputs[0].local_fraction(mesh), train)
     return out_bytes + in_bytes + inner

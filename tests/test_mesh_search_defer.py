@@ -11,7 +11,7 @@ from autopar.errors import AutoparError
 from autopar.models import get_model
 from autopar.planner import plan
 
-BUDGET = 2e6  # under it, gpt-tiny's first-pass plan on m0=2,m1=2 walks over (its gradients in flight)
+BUDGET = 1.9e6  # under it, gpt-tiny's first-pass plan on m0=2,m1=2 walks over (its gradients in flight)
 
 
 def test_an_over_budget_mesh_is_not_resolved_in_the_first_pass_and_the_plan_is_unchanged(monkeypatch):

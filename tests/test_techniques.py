@@ -26,7 +26,7 @@ from autopar.strategy import Layout, Shard, Strategy
 aten = torch.ops.aten
 BUILT_IN = {"data_parallel": {"dp", "zero2", "zero3"}, "megatron": {"megatron", "megatron-sp", "megatron-dp"},
             "summa": {"2d"}, "tesseract": {"2.5d"}, "tensor_3d": {"3d"}, "ulysses": {"sp", "ulysses"},
-            "ring_attention": {"ring"}, "optimus_norm": set()}
+            "ring_attention": {"ring"}, "optimus_norm": set(), "vocab_parallel_ce": set()}
 
 
 def test_built_in_techniques_and_families_are_registered_and_frozen():
@@ -38,7 +38,7 @@ def test_built_in_techniques_and_families_are_registered_and_frozen():
     assert [f.name for f in base.families() if f.baseline] == ["dp", "zero2", "zero3", "megatron", "megatron-sp",
                                                                "megatron-dp"]
     # the runtime algorithms price and lower themselves; families-only techniques do neither
-    for name in ("summa", "ring_attention", "optimus_norm"):
+    for name in ("summa", "ring_attention", "optimus_norm", "vocab_parallel_ce"):
         t = base.technique(name)
         assert t.runs and t.price and t.lower
     with pytest.raises(dataclasses.FrozenInstanceError):

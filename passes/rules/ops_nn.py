@@ -3,8 +3,10 @@ reductions, scans and tensor factories."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from ._samples import call, rand, randint
 from .registry import register_rule
@@ -102,7 +104,7 @@ _REDUCTIONS = {0: None, 1: "avg", 2: "sum"}  # torch's Reduction enum: none, mea
     call(rand(16, 8), randint(8, 16)), call(rand(16, 8), randint(8, 16), None, 2), call(rand(16, 8), randint(8, 16), None, 0),
 ])
 def nll_loss(logits, target, weight=None, reduction=1, ignore_index=-100) -> OpSpec:
-    return cross_entropy(logits, target, weight, reduction, ignore_index)
+    return _loss_spec(logits, weight, reduction)
 
 
 @register_rule(aten.cross_entropy_loss.default, samples=lambda: [
@@ -110,6 +112,16 @@ def nll_loss(logits, target, weight=None, reduction=1, ignore_index=-100) -> OpS
     call(rand(16, 8), randint(8, 16), None, 0), call(rand(8, 8, 8), randint(8, 8, 8)),
 ])
 def cross_entropy(logits, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0) -> OpSpec:
+    # The vocabulary-parallel cross-entropy (runtime.vocab_parallel_ce): [N, C] logits split on
+    # the class dim on one axis, the targets whole there, the loss whole; per-row statistics are
+    # gathered in place of the logits.
+    spec = _loss_spec(logits, weight, reduction)
+    if logits.dim() == 2 and weight is None and not label_smoothing:
+        spec = replace(spec, algorithm=(((Shard(1), Replicate()), (Replicate(),)),))
+    return spec
+
+
+def _loss_spec(logits, weight, reduction) -> OpSpec:
     # Rows (and any trailing dims of a [N, C, d1, ...] input) shard; the class dim stays whole.
     # A sharded mean is the mean of the per-shard means (Partial(avg)): exact when every shard
     # has the same number of counted targets - always, unless targets hit ignore_index unevenly
