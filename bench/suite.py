@@ -216,7 +216,7 @@ def main() -> None:
     if "fidelity" not in args.skip:
         names = [n for n, _ in fidelity.PLANS if not (args.quick and n == "pp4")]  # --quick: 2 blocks
         _log(f"fidelity: {len(names)} plans, one 4-rank launch, round-robin")
-        records, reference, between = fidelity.run(names, args.quick, hardware, 2 if args.quick else 7,
+        records, reference, between = fidelity.run(names, args.quick, hardware, 2 if args.quick else fidelity.ROUNDS,
                                                    os.path.dirname(os.path.abspath(args.json)))
         print()
         results["fidelity_plans"] = dict(records=records, **fidelity.report(records, reference, hardware, between,
