@@ -16,16 +16,12 @@ CASES = [("world", 12, 16, 1, -100, torch.float64), ("inner", 7, 10, 2, -100, to
 
 def all_cases(rank: int, world: int) -> list:
     """Every case on this rank (run by tests/launcher.py): [each rank's records]."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from autopar.runtime.collectives import AxisGroup, count_bytes
+    from autopar.runtime.collectives import count_bytes
     from autopar.runtime.vocab_parallel_ce import vocab_parallel_cross_entropy
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
-    coords = {"outer": rank // 2, "inner": rank % 2}
-    groups = {"world": AxisGroup("world", dist.group.WORLD, world, rank)}
-    for name, dim in (("outer", 0), ("inner", 1)):
-        groups[name] = AxisGroup(name, mesh.get_group(dim), 2, coords[name])
+    from axis_groups import world_and_2x2_groups
+
+    groups = world_and_2x2_groups(rank, world)
     results = []
     for i, (axis, rows, classes, reduction, ignore, dtype) in enumerate(CASES):
         g = groups[axis]
