@@ -27,9 +27,9 @@ import torch
 
 from .collectives import AxisGroup, gather_tensor
 
-__all__ = ["vocab_parallel_cross_entropy", "REDUCTIONS"]
+__all__ = ["vocab_parallel_cross_entropy"]
 
-REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # torch's Reduction enum, as aten passes it
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # torch's Reduction enum, as aten passes it
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -49,8 +49,8 @@ def _row_parts(x: torch.Tensor) -> list[slice]:
     eighths, so the fp32 working copy is a quarter of the logits' bytes rather than twice them
     (the memory model prices the logits' gradient and no working copy)."""
     rows = x.shape[0]
-    step = rows if x.dtype == _acc(x.dtype) else max(1, -(-rows // 8))
-    return [slice(lo, min(lo + step, rows)) for lo in range(0, rows, step)] or [slice(0, 0)]
+    step = max(1, rows if x.dtype == _acc(x.dtype) else -(-rows // 8))
+    return [slice(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -84,13 +84,12 @@ class _VocabParallelCE(torch.autograd.Function):
         if ctx.reduction == "mean":
             g = g / counted.sum()
         scale = torch.where(counted, g, 0.0) if ctx.reduction == "none" else counted.to(lse.dtype) * g
-        rows = torch.arange(x.shape[0], device=x.device)
         parts = _row_parts(x)
         dx = None if len(parts) == 1 else torch.empty_like(x)
         for part in parts:
             d = (x[part].to(lse.dtype) - lse[part, None]).exp_()  # this slice of softmax(x)
             h = here[part]
-            d[rows[: d.shape[0]][h], column[part][h]] -= 1.0
+            d[h.nonzero(as_tuple=True)[0], column[part][h]] -= 1.0  # the target's one, where held
             d.mul_(scale[part, None])
             if dx is None:
                 dx = d  # one block in the logits' own dtype: it is the gradient
@@ -105,7 +104,7 @@ def vocab_parallel_cross_entropy(x: torch.Tensor, target: torch.Tensor, reductio
     logits' class dim (``[N, V / g.size]``, slices in rank order over the axis ``g``), and the
     whole ``target`` (``[N]``). ``reduction``: 0/1/2 (aten's none/mean/sum) or the name. The
     result is whole on every rank of the axis."""
-    reduction = REDUCTIONS.get(reduction, reduction)
+    reduction = _REDUCTIONS.get(reduction, reduction)
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"vocab_parallel_cross_entropy: reduction must be none, mean or sum; got {reduction!r}")
     if x.dim() != 2 or target.dim() != 1 or target.shape[0] != x.shape[0]:
