@@ -19,6 +19,12 @@ predictions (efficiency 1 and 1/2) give ``A`` and ``B``; the measured step ``S``
 ``efficiency = A / (S - B)``, kept in [0.2, 1] (1: the step ran as fast as the kernel rates
 say; the rates are a ceiling, so nothing is scaled up).
 
+Timed as a synchronous step: each step ends at a barrier over the ranks, so it takes as long as
+its slowest rank. A data-, tensor- or pipeline-parallel step waits for every rank at its
+collectives; ranks sharing cores do not finish together (4 ranks pinned 2 per core, this
+machine, 2026-12-08: the slowest rank's reference step 1.04-1.08x the median rank's), and a
+profile fitted to a rank alone priced every multi-rank plan that much too fast.
+
 The reference model is deliberately not any model a benchmark checks: a 2-layer GPT of width
 192 with 6 heads, a 4096-token vocabulary, 4 sequences of 128 tokens (autopar's zoo GPT, so the
 runtime's kernels are the ones timed). CUDA profiles keep their efficiency of 1 (a step this
@@ -59,8 +65,10 @@ def reference_model(device: torch.device | str = "cpu"):
 
 
 def time_reference_step(device: torch.device, between: Callable[[], None], quick: bool) -> float:
-    """Median seconds of this rank's reference steps; ``between()`` (a barrier over the ranks)
-    runs before each step, so every rank's step runs while the others run theirs."""
+    """Median seconds of the reference steps as a synchronous step meets them; ``between()`` (a
+    barrier over the ranks) runs before each step, so every rank's step runs while the others run
+    theirs, and after it, inside the timing: each step takes as long as the slowest rank's (module
+    docstring). One process (``between`` a no-op): its own step."""
     model, inputs = reference_model(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # autopar.make_optimizer's
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -72,6 +80,7 @@ def time_reference_step(device: torch.device, between: Callable[[], None], quick
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
+        between()
         if k >= 2:  # two warm-up steps: the optimizer's state, the allocator's first blocks
             times.append(time.perf_counter() - t0)
     return statistics.median(times)

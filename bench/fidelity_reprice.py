@@ -2,7 +2,8 @@
 every decision's same option, priced by the cost model with the other profile's rates.
 
 ``bench/fidelity.py`` calibrates again during its rounds (three times; ``median_profile``
-combines them) and prices the plans it timed with that profile. Planning them again would not
+combines them, ``fit_to_rounds`` fits its compute efficiency to calibrate's reference step as
+timed in the rounds) and prices the plans it timed with that profile. Planning them again would not
 do: on another profile the planner may pick another layout for a family (a cut of the
 embedding, a ZeRO axis), and that layout's price says nothing about the one timed. autopar itself never needs this (a plan is priced where
 it is made), so it lives with the bench.
@@ -17,7 +18,7 @@ from autopar.cost_model.hardware import Hardware
 from autopar.cost_model.problem import build_problem
 from autopar.passes.annotate import annotate
 
-__all__ = ["median_profile", "price_again"]
+__all__ = ["median_profile", "fit_to_rounds", "price_again"]
 
 
 def median_profile(profiles: list[dict]) -> dict:
@@ -41,6 +42,18 @@ def median_profile(profiles: list[dict]) -> dict:
             rows.append([kind, n, median([r[2] for r in same]), median([r[3] for r in same])])
         out["per_collective"] = rows
     return out
+
+
+def fit_to_rounds(profile: dict, reference_s: float) -> dict:
+    """``profile`` (a ``Hardware.to_json`` dict) with its compute efficiency fitted, as ``autopar
+    calibrate`` fits it, to calibrate's reference step as the bench timed it in its rounds
+    (``autopar.calibrate_reference.fit_efficiency``). Why: a calibration times that step over a
+    few seconds; the rounds spread over minutes in which this machine's speed moves by 10-30%.
+    The step is no plan of the bench's, so no plan's figure feeds its own price."""
+    from autopar.calibrate_reference import fit_efficiency
+
+    fit = fit_efficiency(Hardware.from_json(profile), reference_s)
+    return dict(profile, efficiency=fit.efficiency)
 
 
 def price_again(plan, hardware: Hardware) -> float | None:
