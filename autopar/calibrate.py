@@ -45,10 +45,11 @@ What is measured, on every rank at once (each rank is one "device" of the profil
 
 ``efficiency``: on CUDA 1.0 (the cost model divides by ``efficiency * peak``, and a measured
 matmul or copy rate is already what dense kernels reach). On CPU it is fitted to a reference
-training step every rank times at once (``autopar/calibrate_reference.py``): a small GPT's
-forward, backward and AdamW, which ran at 0.64 of what the kernel rates price on this
-project's machine (4 ranks, 2 cores); the fitted value makes the cost model price that step
-as it ran.
+training step every rank times at once, as a synchronous step (a barrier after each: the
+slowest rank's time, what a parallel step waits for; ``autopar/calibrate_reference.py``): a
+small GPT's forward, backward and AdamW, which ran at 0.64-0.85 of what the kernel rates price
+on this project's machine (4 ranks, 2 cores); the fitted value makes the cost model price that
+step as it ran.
 
 Ranks measure concurrently because that is how they run: on a CPU box the ranks share the
 cores and the memory bus, and a rank's rate is its share. Per-rank device rates are combined
