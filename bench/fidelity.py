@@ -1,7 +1,7 @@
 """Does the cost model rank plans the way they run? Predicted vs measured step time and peak
 memory of many autopar plans of one GPT, timed round-robin in ONE launch of 4 CPU ranks.
 
-    python bench/fidelity.py                      # ~8 min: one launch that calibrates 4 times
+    python bench/fidelity.py                      # ~10 min: one launch that calibrates 4 times
     python bench/fidelity.py --hardware hw.json   # plan with an existing profile (autopar calibrate --out)
     python bench/fidelity.py --quick              # tiny model, 2 rounds, quick calibrations: a smoke run
 
@@ -55,9 +55,10 @@ sys.path.insert(0, HERE)
 
 WORLD = 4
 # Timed rounds. This machine's step times swing 20-30% from round to round; plans the cost model
-# puts 3-5% apart need the median of about 20 to be told apart (11 rounds reversed the planner's
-# pick and dp, 0.92x, in one run where 31 rounds of the same plans measured 1.06x, 2026-12-08).
-ROUNDS = 21
+# puts 4-6% apart need the median of about 30 to be told apart (11 rounds reversed the planner's
+# pick and dp, 0.92x, in one run where 31 rounds of the same plans measured 1.06x; 21 rounds
+# measured it 0.95x once in two runs, its paired per-round ratios spread 0.83-1.59, 2026-12-08).
+ROUNDS = 31
 # (name, how it is planned): plan(**options), or a pinned pipeline (pp, micro-batches, schedule)
 PLANS: list[tuple[str, dict]] = [
     ("dp", dict(strategy="dp")),
@@ -373,7 +374,7 @@ def main() -> None:
     ap.add_argument("--plans", nargs="+", default=[n for n, _ in PLANS], choices=[n for n, _ in PLANS])
     ap.add_argument("--hardware", default="calibrate",
                     help="'calibrate' (these ranks measure the machine first), a profile name or JSON path")
-    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 21, --quick 2)")
+    ap.add_argument("--rounds", type=int, default=None, help=f"timed rounds (default {ROUNDS}, --quick 2)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "fidelity.json"))
     args = ap.parse_args()
