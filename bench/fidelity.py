@@ -1,7 +1,7 @@
 """Does the cost model rank plans the way they run? Predicted vs measured step time and peak
 memory of many autopar plans of one GPT, timed round-robin in ONE launch of 4 CPU ranks.
 
-    python bench/fidelity.py                      # ~10 min: one launch that calibrates 4 times
+    python bench/fidelity.py                      # ~9 min: one launch that calibrates 4 times
     python bench/fidelity.py --hardware hw.json   # plan with an existing profile (autopar calibrate --out)
     python bench/fidelity.py --quick              # tiny model, 2 rounds, quick calibrations: a smoke run
 

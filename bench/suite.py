@@ -1,10 +1,10 @@
 """The benchmark suite: autopar's runtime against torch's parallel methods, the cost model's
 fidelity, and the planner's scaling, in one command.
 
-    python bench/suite.py                 # ~20-25 min on the 2-core CPU machine
+    python bench/suite.py                 # ~12-15 min on the 2-core CPU machine
     python bench/suite.py --quick         # smoke run, ~5 min (tiny model, fewer plans)
     python bench/suite.py --json out.json --hardware cpu
-    python bench/suite.py --skip runtime scaling   # calibrate + the fidelity section only, ~10 min
+    python bench/suite.py --skip runtime scaling   # calibrate + the fidelity section only, ~9 min
 
 1. **Runtime vs baselines** (4 CPU ranks, gloo): one GPT (``runtime_vs_baselines.FULL``) trained
    the same steps on the same global batch by torch DDP, FSDP2, hand-written DTensor tensor
