@@ -4,6 +4,7 @@ writes a profile the planner reads, and bad profiles fail with one clear line.""
 import json
 import math
 import statistics
+import time
 
 import pytest
 
@@ -189,6 +190,26 @@ def test_fitted_efficiency_prices_the_reference_step_as_measured():
     assert priced(fit.efficiency) == pytest.approx(1.6 * at_one, rel=1e-6)
     assert fit_efficiency(hw, 0.9 * at_one).efficiency == 1.0
     assert fit_efficiency(hw, 100 * at_one).efficiency == 0.2
+
+
+def test_reference_step_is_timed_to_the_barrier_after_it():
+    """A synchronous step lasts until its slowest rank is done: the wait at the barrier after
+    each reference step is inside its time. ``between`` stands in for the barrier, the one after
+    each step waiting as a late rank would make it wait."""
+    import torch
+
+    from autopar.calibrate_reference import time_reference_step
+
+    late_s = 0.5  # far above the whole step here (~0.1 s)
+    calls = [0]
+
+    def between() -> None:
+        calls[0] += 1
+        if calls[0] % 2 == 0:  # the call after a step (the first of each pair runs before it)
+            time.sleep(late_s)
+
+    assert time_reference_step(torch.device("cpu"), between, quick=True) >= late_s
+    assert calls[0] == 2 * 5  # before and after each of 2 warm-up and 3 timed steps
 
 
 @pytest.mark.parametrize("content, message", [
